@@ -1,0 +1,1 @@
+"""EAGLE-3 draft-training runner: `python -m runner` composes conf/ with Hydra and runs the stages."""

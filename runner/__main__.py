@@ -1,0 +1,43 @@
+"""Entry point: `python -m runner [group=option ...] [key=value ...]`, or `-m` for a Hydra multirun.
+
+Composes conf/ (see conf/config.yaml), checks the config, materialises the target, plans the
+stages against the artifact store, runs or reuses each one inside one MLflow run, and prints a
+summary with the `mlflow ui` command that shows the run. Examples:
+    python -m runner                                   # embedded default, CPU, no network
+    python -m runner train.draft_vocab_size=16384      # re-runs vocab, train, evaluate only
+    python -m runner run.stages=[prepare,extract]      # e.g. on the GPU box
+    python -m runner --cfg job                         # print the composed config
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from hydra.core.config_store import ConfigStore
+
+from runner.errors import ConfigError, StageError
+from runner.schema import RunnerConfig
+
+ConfigStore.instance().store(name="base_config", node=RunnerConfig)
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg) -> float | None:
+    from runner.job import run_job
+
+    try:
+        result = run_job(cfg)
+    except ConfigError as exc:
+        print(f"\nconfig error: {exc.key}: {exc.message}\n(change `{exc.key}` in conf/ or on the command line)",
+              file=sys.stderr)
+        sys.exit(2)
+    except StageError as exc:
+        print(f"\nstage error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    # Returned so that sweepers can optimise it.
+    return result.get("acceptance_length")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Content-keyed artifact store: one folder per (stage, key), published atomically.
+
+Layout: `<output_root>/store/<stage>/<key>/` holding the stage's files and `manifest.json`.
+The key hashes the stage's config slice, its upstream keys, its own VERSION and the library
+versions that change its output, so a changed training setting gives `train` (and everything
+downstream) a new key while `prepare`/`extract`/`vocab` keep theirs.
+
+A stage writes into `<output_root>/store/<stage>/.tmp-<key>-<pid>/`; only a completed stage is
+renamed into place, with its manifest written last inside the temporary folder. A folder without
+a manifest is never trusted, so an interrupted run leaves nothing a later run would reuse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+MANIFEST = "manifest.json"
+# Above this many bytes an artifact records file sizes only: hashing terabytes of hidden
+# states would cost more than extracting them.
+HASH_LIMIT_BYTES = 8 << 30
+
+
+def compute_key(stage: str, version: str, config_slice: Any, upstream: dict[str, str],
+                versions: dict[str, str]) -> str:
+    payload = json.dumps(
+        {"stage": stage, "version": version, "config": config_slice, "upstream": upstream,
+         "versions": versions},
+        sort_keys=True, default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def describe_files(folder: Path) -> tuple[list[dict[str, Any]], int]:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    total = sum(p.stat().st_size for p in files)
+    hashed = total <= HASH_LIMIT_BYTES
+    listing = []
+    for p in files:
+        entry: dict[str, Any] = {"path": str(p.relative_to(folder)), "bytes": p.stat().st_size}
+        if hashed:
+            entry["sha256"] = _sha256(p)
+        listing.append(entry)
+    return listing, total
+
+
+@dataclass
+class Artifact:
+    stage: str
+    key: str
+    path: Path
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return json.loads((self.path / MANIFEST).read_text())
+
+
+class ArtifactStore:
+    def __init__(self, root: Path):
+        self.root = Path(root) / "store"
+
+    def path(self, stage: str, key: str) -> Path:
+        return self.root / stage / key
+
+    def get(self, stage: str, key: str) -> Artifact | None:
+        """The finished artifact for this key, or None (a folder without manifest is not one)."""
+        p = self.path(stage, key)
+        if (p / MANIFEST).is_file():
+            return Artifact(stage, key, p)
+        return None
+
+    def latest(self, stage: str) -> list[Artifact]:
+        """Finished artifacts of a stage, newest first (for messages that suggest a fix)."""
+        folder = self.root / stage
+        if not folder.is_dir():
+            return []
+        arts = [Artifact(stage, p.name, p) for p in folder.iterdir()
+                if not p.name.startswith(".") and (p / MANIFEST).is_file()]
+        return sorted(arts, key=lambda a: (a.path / MANIFEST).stat().st_mtime, reverse=True)
+
+    @contextmanager
+    def writing(self, stage: str, key: str, manifest: dict[str, Any]) -> Iterator[Path]:
+        """Yield a temporary folder; publish it under (stage, key) only if the block succeeds.
+
+        The caller fills `manifest` (it is the same dict object) with metrics while writing;
+        files, sizes, hashes and timings are added here.
+        """
+        final = self.path(stage, key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{key}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        started = time.time()
+        try:
+            yield tmp
+            files, total = describe_files(tmp)
+            manifest.update(
+                stage=stage, key=key, files=files, total_bytes=total,
+                started_at=started, finished_at=time.time(),
+                seconds=round(time.time() - started, 3),
+            )
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+            if final.exists():  # a forced re-run replaces the old artifact
+                old = final.parent / f".old-{key}-{os.getpid()}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,107 @@
+"""MLflow tracking for one runner job: the runner owns the run, stages log into it.
+
+Default store: `sqlite:///<output_root>/mlflow.db` (absolute), artifacts in
+`<output_root>/mlartifacts`; `tracking.uri` or MLFLOW_TRACKING_URI points elsewhere.
+speculators' own MLflow logger (`--logger mlflow`) finds the active run and writes its
+training metrics into it.
+
+Browse with the command `Tracker.ui_command()` returns, e.g.
+`mlflow ui --backend-store-uri sqlite:////abs/outputs/mlflow.db`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+# MLflow limits: 6000 characters per param value, 100 params per batch call.
+_PARAM_MAX = 6000
+_BATCH = 100
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def tracking_uri(configured: str | None, output_root: Path) -> str:
+    if configured:
+        return configured
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{(output_root / 'mlflow.db').resolve()}"
+
+
+class Tracker:
+    def __init__(self, tracking_cfg: Any, output_root: Path):
+        import mlflow
+
+        self.mlflow = mlflow
+        self.uri = tracking_uri(tracking_cfg.uri, output_root)
+        mlflow.set_tracking_uri(self.uri)
+        # speculators' MLflow logger reads the experiment from this variable when it has to
+        # start a run itself; the runner always has one active, but keep them consistent.
+        os.environ["MLFLOW_EXPERIMENT_NAME"] = tracking_cfg.experiment
+        exp = mlflow.get_experiment_by_name(tracking_cfg.experiment)
+        if exp is None:
+            artifact_location = None
+            if self.uri.startswith("sqlite:"):
+                artifact_location = (output_root / "mlartifacts").resolve().as_uri()
+            exp_id = mlflow.create_experiment(tracking_cfg.experiment, artifact_location=artifact_location)
+        else:
+            exp_id = exp.experiment_id
+        self.experiment_id = exp_id
+        self.run_id: str | None = None
+
+    def start(self, run_name: str, tags: dict[str, str]) -> str:
+        run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
+        return self.run_id
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.mlflow.active_run() is not None:
+            self.mlflow.end_run(status=status)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        items = [(k, str(v)[:_PARAM_MAX]) for k, v in flatten(params).items()]
+        for i in range(0, len(items), _BATCH):
+            self.mlflow.log_params(dict(items[i:i + _BATCH]))
+
+    def log_metrics(self, metrics: Mapping[str, Any], prefix: str = "", step: int | None = None) -> None:
+        clean = {}
+        for k, v in flatten(metrics).items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if math.isfinite(v):
+                clean[f"{prefix}{k}"] = float(v)
+        if clean:
+            self.mlflow.log_metrics(clean, step=step)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        self.mlflow.set_tags({k: str(v)[:5000] for k, v in tags.items()})
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        if path.is_dir():
+            self.mlflow.log_artifacts(str(path), artifact_path=artifact_path)
+        else:
+            self.mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.mlflow.log_text(text, artifact_file)
+
+    def ui_command(self) -> str:
+        if self.uri.startswith(("http://", "https://")):
+            return f"open {self.uri}"
+        return f"mlflow ui --backend-store-uri {self.uri}"

@@ -1,0 +1,55 @@
+"""Stage `vocab`: the draft vocabulary from assistant-token frequencies, with d2t/t2d mappings.
+
+Run alone: `python -m runner run.stages=[vocab]` (needs prepare).
+Writes `token_freq.pt` (speculators' counter over loss-masked tokens), `d2t.npy` (draft index ->
+target id offset) and `t2d.npy` (bool mask over the target vocab), both built by speculators'
+own `build_vocab_mappings_from_distribution`, plus `coverage.json`.
+Coverage is the share of assistant tokens in the data whose id is in the draft vocabulary: the
+ceiling on how often the draft can propose the right token.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+NAME = "vocab"
+UPSTREAM = ("prepare",)
+VERSION = "1"
+LIBRARIES = {"speculators": ("speculators",)}
+
+
+def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
+    return {"draft_vocab_size": cfg.train.draft_vocab_size, "target_vocab_size": facts.vocab_size,
+            "tokenizer": facts.tokenizer_id}
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    import datasets
+    import numpy as np
+    import torch
+    from speculators.train.vocab_mapping import (
+        build_vocab_mappings_from_distribution,
+        save_token_frequency_distribution,
+    )
+
+    rows = datasets.load_from_disk(str(ctx.inputs["prepare"].path / "dataset"))
+    rows.set_format("torch")
+    freq_path = ctx.out / "token_freq.pt"
+    save_token_frequency_distribution(rows, freq_path)
+    freq: dict[int, int] = torch.load(freq_path, weights_only=True)
+    size = ctx.cfg.train.draft_vocab_size
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, size, ctx.facts.vocab_size)
+    np.save(ctx.out / "d2t.npy", d2t.numpy())
+    np.save(ctx.out / "t2d.npy", t2d.numpy())
+    draft_ids = set((torch.arange(size) + d2t).tolist())
+    total = sum(freq.values())
+    covered = sum(c for t, c in freq.items() if t in draft_ids)
+    coverage = {
+        "draft_vocab_size": size, "target_vocab_size": ctx.facts.vocab_size,
+        "assistant_tokens": total, "distinct_assistant_tokens": len(freq),
+        "coverage": covered / total if total else 0.0,
+        "distinct_covered_fraction": min(size, len(freq)) / len(freq) if freq else 0.0,
+    }
+    (ctx.out / "coverage.json").write_text(json.dumps(coverage, indent=2))
+    return coverage
