@@ -103,8 +103,9 @@ class TrainConfig:
     optimizer: str = "adamw"
     scheduler: str = "linear"
     warmup_ratio: float = 0.05
-    # Tokens per packed training batch.
-    total_seq_len: int = 2048
+    # Tokens per packed training batch; null = data.max_seq_len (one full row per batch).
+    # On CPU, attention cost grows with it: short packs train fastest.
+    total_seq_len: Optional[int] = None
     val_ratio: float = 0.05
     loss_fn: str = "kl_div"
     # "eager" runs anywhere; "fused" needs Triton on a GPU.

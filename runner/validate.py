@@ -66,8 +66,31 @@ def check_aux_layers(layers: list[int], n: int) -> tuple[int, ...]:
     return tuple(int(x) for x in layers)
 
 
+def check_known_keys(cfg: Any) -> None:
+    """Reject keys the schema does not know, including ones added with Hydra's `+key=value`
+    (which bypasses the schema's struct mode). Free-form dicts (env, extra args) are exempt."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from runner.schema import RunnerConfig
+
+    def walk(node: Any, schema: Any, prefix: str) -> None:
+        for key in node.keys():
+            if key == "hydra":
+                continue
+            full = f"{prefix}{key}"
+            if key not in list(schema.keys()):
+                known = ", ".join(sorted(str(k) for k in schema.keys()))
+                raise ConfigError(full, f"unknown key; {prefix.rstrip('.') or 'the root'} takes: {known}")
+            sub = schema.get(key) if OmegaConf.is_dict(schema) else None
+            if isinstance(sub, DictConfig) and len(sub) and OmegaConf.get_type(sub) is not dict:
+                walk(node[key], sub, full + ".")
+
+    walk(cfg, OmegaConf.structured(RunnerConfig), "")
+
+
 def check_declared(cfg: Any) -> None:
     """Every check that needs nothing but the composed config."""
+    check_known_keys(cfg)
     unknown = [s for s in cfg.run.stages if s not in STAGES]
     if unknown:
         raise ConfigError("run.stages", f"unknown stage(s) {unknown}; choose from {list(STAGES)}")
@@ -100,7 +123,7 @@ def check_declared(cfg: Any) -> None:
         raise ConfigError("train.ttt_steps", "must be >= 1")
     if not 0 < t.val_ratio < 1:
         raise ConfigError("train.val_ratio", f"{t.val_ratio} must be in (0, 1)")
-    if t.total_seq_len < d.max_seq_len:
+    if t.total_seq_len is not None and t.total_seq_len < d.max_seq_len:
         raise ConfigError("train.total_seq_len",
                           f"{t.total_seq_len} is below data.max_seq_len={d.max_seq_len}; a sample would not fit a batch")
     if t.loss_implementation == "fused" and hw.device == "cpu":

@@ -204,5 +204,5 @@ def run(ctx: Any) -> dict[str, Any]:
         "samples": len(rows), "tokens": total_tokens, "tokens_per_s": total_tokens / seconds,
         "model_load_s": load_s, "extract_s": seconds, "bytes": written,
         "bytes_per_token": written / total_tokens, "slots": len(ctx.facts.capture_ids),
-        "layers": layer_stats,
+        **{f"{layer}/{name}": v for layer, st in layer_stats.items() for name, v in st.items()},
     }

@@ -55,7 +55,7 @@ def speculators_argv(cfg: Any, facts: Any, data_path: Path, hidden_states: Path,
         "--optimizer", t.optimizer,
         "--scheduler-type", t.scheduler,
         "--scheduler-warmup-ratio", str(t.warmup_ratio),
-        "--total-seq-len", str(t.total_seq_len),
+        "--total-seq-len", str(t.total_seq_len or cfg.data.max_seq_len),
         "--train-data-ratio", str(1.0 - t.val_ratio),
         "--loss-fn", t.loss_fn,
         "--loss-implementation", t.loss_implementation,
@@ -179,7 +179,13 @@ def run(ctx: Any) -> dict[str, Any]:
         extra=["--logger", "mlflow"] if ctx.tracker is not None else [],
     )
     ctx.manifest["speculators_argv"] = argv
-    train_config = TrainConfig.resolve(argv)
+    try:
+        train_config = TrainConfig.resolve(argv)
+    except SystemExit as exc:  # speculators parses flags with argparse, which exits on a bad one
+        from runner.errors import ConfigError
+
+        raise ConfigError("train.extra_args", f"speculators rejected its arguments (exit {exc.code}); "
+                                              f"see the message above. Arguments: {' '.join(argv)}") from None
     with _capture_metrics() as capture, cpu_training():
         speculators_train(train_config)
     records = capture.records

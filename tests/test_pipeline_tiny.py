@@ -1,0 +1,148 @@
+"""prepare -> extract -> vocab -> train on a tiny random Llama and a local JSONL file, through
+`run_job` (what `python -m runner` calls): real outputs, caching, MLflow, atomic publishing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from runner.job import run_job
+from tests.conftest import compose
+
+STAGES_NO_EVAL = "run.stages=[prepare,extract,vocab,train]"
+
+
+def tiny_overrides(model_dir, data, root, *extra):
+    return [
+        "model=hf", f"model.source={model_dir}", "model.name=tiny", "model.capture_layers=[0,2,3]",
+        "data=local_file", f"data.source={data}", "data.num_samples=40", "data.max_seq_len=96",
+        "data.min_assistant_tokens=4",
+        "train.draft_vocab_size=512", "train.max_steps=8", "train.epochs=1", "train.val_ratio=0.1",
+        "hardware.extract_batch_size=3", f"run.output_root={root}", STAGES_NO_EVAL, *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_model_dir, chats_jsonl, tmp_path_factory):
+    root = tmp_path_factory.mktemp("runner_out")
+    cfg = compose(tiny_overrides(tiny_model_dir, chats_jsonl, root))
+    return cfg, run_job(cfg), root
+
+
+def test_hidden_states_equal_the_models_own(first_run, tiny_model_dir):
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    cfg, result, _ = first_run
+    rows = datasets.load_from_disk(str(result["results"]["prepare"].path / "dataset")).with_format("torch")
+    hs_dir = result["results"]["extract"].path / "hidden_states"
+    assert len(list(hs_dir.glob("hs_*.safetensors"))) == len(rows)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    for i in (0, len(rows) - 1):
+        ids = rows[i]["input_ids"]
+        f = load_file(str(hs_dir / f"hs_{i}.safetensors"))
+        assert f["hidden_states"].dtype == torch.bfloat16 and f["token_ids"].dtype == torch.int64
+        assert f["hidden_states"].shape == (len(ids), 4, 64)  # ids 0, 2, 3 and the final 4
+        assert torch.equal(f["token_ids"], ids)
+        with torch.inference_mode():
+            out = model(input_ids=ids[None], output_hidden_states=True)
+            # vLLM id k < n is transformers' hidden_states[k] (0 = embeddings).
+            for slot, k in enumerate((0, 2, 3)):
+                torch.testing.assert_close(f["hidden_states"][:, slot], out.hidden_states[k][0], atol=2e-2, rtol=2e-2)
+            # The final slot is before the norm: normed, it gives transformers' last (post-norm) state,
+            # and it is not that state itself.
+            last = f["hidden_states"][:, 3]
+            torch.testing.assert_close(model.model.norm(last[None])[0], out.hidden_states[4][0], atol=3e-2, rtol=3e-2)
+            assert not torch.allclose(last, out.hidden_states[4][0], atol=1e-2)
+
+
+def test_layer_statistics_are_recorded(first_run):
+    _, result, _ = first_run
+    stats = json.loads((result["results"]["extract"].path / "layer_stats.json").read_text())
+    assert set(stats) == {"layer_0", "layer_2", "layer_3", "layer_4"}
+    for s in stats.values():
+        assert s["rms"] > 0 and s["std"] > 0 and s["max_abs"] >= s["rms"] and s["nonfinite_fraction"] == 0
+
+
+def test_vocab_mapping_matches_the_frequencies(first_run):
+    _, result, _ = first_run
+    v = result["results"]["vocab"].path
+    freq = torch.load(v / "token_freq.pt", weights_only=True)
+    d2t, t2d = np.load(v / "d2t.npy"), np.load(v / "t2d.npy")
+    assert t2d.shape == (49152,) and t2d.dtype == bool and t2d.sum() == 512 == len(d2t)
+    draft_ids = np.arange(512) + d2t
+    assert np.all(np.diff(draft_ids) > 0)                  # ascending target ids
+    assert np.array_equal(np.flatnonzero(t2d), draft_ids)  # t2d marks exactly those ids
+    # Every token the data supervises is in the draft vocab when it has fewer distinct tokens.
+    assert len(freq) <= 512 and set(freq) <= set(draft_ids.tolist())
+    assert json.loads((v / "coverage.json").read_text())["coverage"] == 1.0
+
+
+def test_draft_checkpoint_is_speculators_format(first_run):
+    _, result, _ = first_run
+    draft = result["results"]["train"].path / "draft"
+    conf = json.loads((draft / "config.json").read_text())
+    assert conf["speculators_model_type"] == "eagle3"
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+    assert conf["draft_vocab_size"] == 512
+    assert conf["eagle3_runner"]["capture_ids"] == [0, 2, 3, 4]
+    weights = load_file(str(draft / "model.safetensors"))
+    assert weights["fc.weight"].shape == (64, 3 * 64)
+    assert not any("optimizer" in p.name for p in draft.iterdir())
+
+
+def test_mlflow_run_holds_params_metrics_and_artifacts(first_run):
+    import mlflow
+
+    _, result, _ = first_run
+    client = mlflow.MlflowClient(result["tracking_uri"])
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.draft_vocab_size"] == "512"
+    assert run.data.params["resolved.capture_ids_vllm"] == "[0, 2, 3, 4]"
+    m = run.data.metrics
+    assert m["prepare/rows"] > 0 and m["extract/tokens_per_s"] > 0 and m["vocab/coverage"] == 1.0
+    assert "train/loss" in m  # written by speculators' own MLflow logger into our run
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 8
+    assert run.data.tags["artifact.extract"] == result["results"]["extract"].key
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config", "manifests", "vocab", "draft"} <= arts
+
+
+def test_second_run_reuses_every_stage(first_run, tiny_model_dir, chats_jsonl):
+    cfg, first, root = first_run
+    again = run_job(compose(tiny_overrides(tiny_model_dir, chats_jsonl, root)))
+    assert again["stages"] == {s: "cached" for s in ("prepare", "extract", "vocab", "train")}
+    assert {s: r.key for s, r in again["results"].items()} == {s: r.key for s, r in first["results"].items()}
+
+
+def test_changing_a_training_setting_reruns_only_train(first_run, tiny_model_dir, chats_jsonl):
+    _, first, root = first_run
+    changed = run_job(compose(tiny_overrides(tiny_model_dir, chats_jsonl, root, "train.lr=5e-4")))
+    assert changed["stages"] == {"prepare": "cached", "extract": "cached", "vocab": "cached", "train": "computed"}
+    assert changed["results"]["train"].key != first["results"]["train"].key
+
+
+def test_a_failed_stage_publishes_nothing(first_run, tiny_model_dir, chats_jsonl):
+    from runner.errors import ConfigError
+
+    _, _, root = first_run
+    cfg = compose(tiny_overrides(tiny_model_dir, chats_jsonl, root, "train.lr=7e-4", "+train.extra_args.no_such_flag=1"))
+    before = {p.name for p in (root / "store" / "train").iterdir()}
+    with pytest.raises(ConfigError) as info:
+        run_job(cfg)
+    assert info.value.key == "train.extra_args"
+    after = {p.name for p in (root / "store" / "train").iterdir()}
+    assert after == before  # no new artifact and no temporary folder left behind
+
+
+def test_a_stage_outside_run_stages_must_be_in_the_store(first_run, tiny_model_dir, chats_jsonl, tmp_path):
+    from runner.errors import StageError
+
+    cfg = compose(tiny_overrides(tiny_model_dir, chats_jsonl, tmp_path, "run.stages=[vocab]"))
+    with pytest.raises(StageError, match=r"run.stages=\[prepare\]"):
+        run_job(cfg)
