@@ -16,8 +16,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,23 +40,50 @@ def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
             "dtype": cfg.hardware.dtype}
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def _run_vllm(request: dict, workdir: Path, label: str, cfg: Any, log_dir: Path) -> dict:
     req_path = workdir / f"{label}_request.json"
     res_path = workdir / f"{label}_result.json"
     req_path.write_text(json.dumps(request))
     env = {**os.environ, **{k: str(v) for k, v in cfg.hardware.env.items()}}
     log_path = log_dir / f"vllm_{label}.log"
-    log.info("[evaluate] vLLM %s run on %d prompts (log: %s)", label, len(request["prompts"]), log_path)
-    with open(log_path, "w") as logf:
+    log.info("[evaluate] vLLM %s run on %d prompts (its log: logs/%s)", label, len(request["prompts"]), log_path.name)
+    # The child's output goes to its log file and, line by line, to the console: vLLM's own
+    # progress bars are the progress of this stage.
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stages.vllm_generate", str(req_path), str(res_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+            cwd=Path(__file__).resolve().parent.parent,
+            start_new_session=True,  # its own process group: vLLM's engine processes go with it
+        )
+        assert proc.stdout is not None
+
+        def copy_output() -> None:
+            for line in iter(proc.stdout.readline, b""):
+                logf.write(line)
+                sys.stdout.write(line.decode(errors="replace"))
+                sys.stdout.flush()
+
+        reader = threading.Thread(target=copy_output, daemon=True)
+        reader.start()
+        rc: int | str
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "stages.vllm_generate", str(req_path), str(res_path)],
-                stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=cfg.eval.timeout_s,
-                cwd=Path(__file__).resolve().parent.parent,
-            )
-            rc = proc.returncode
+            rc = proc.wait(timeout=cfg.eval.timeout_s)
         except subprocess.TimeoutExpired:
+            _kill_group(proc)
             rc = "timeout"
+        except BaseException:
+            _kill_group(proc)  # Ctrl-C or any failure here must not leave vLLM running
+            raise
+        reader.join(timeout=10)
     if rc != 0 or not res_path.exists():
         tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-30:])
         raise RuntimeError(f"vLLM {label} run failed ({rc}); eval.timeout_s={cfg.eval.timeout_s}. "
