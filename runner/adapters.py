@@ -164,7 +164,8 @@ def layout_from_config(config: dict[str, Any], override: dict[str, str] | None =
         hf = AutoConfig.for_model(**clean)
         hf.architectures = [arch]
         layout = layout_from_model(_build_meta(hf, causal_lm=not hasattr(hf, "text_config")), source="transformers")
-        layout = dataclasses.replace(layout, architecture=arch)
+        if arch != "unknown":
+            layout = dataclasses.replace(layout, architecture=arch)
     else:
         # A wrapper transformers does not ship (or a custom model_type): build its text model.
         text = dict(clean.get("text_config") or clean)

@@ -63,6 +63,10 @@ def resolve_model(model_cfg: Any, output_root: Path) -> str:
     return source  # a hub id; from_pretrained resolves it (or fails offline with its own message)
 
 
+def packaged_model_dir(model_cfg: Any, output_root: Path) -> Path:
+    return output_root / "models" / model_cfg.name
+
+
 def _materialise_packaged_gguf(model_cfg: Any, output_root: Path) -> Path:
     module = model_cfg.source[len(PACKAGE_PREFIX):]
     if not model_cfg.gguf_file:
@@ -71,7 +75,7 @@ def _materialise_packaged_gguf(model_cfg: Any, output_root: Path) -> Path:
     gguf_path = pkg_dir / model_cfg.gguf_file
     if not gguf_path.exists():
         raise ConfigError("model.gguf_file", f"{gguf_path} not found in package {module}")
-    dest = output_root / "models" / model_cfg.name
+    dest = packaged_model_dir(model_cfg, output_root)
     if (dest / "config.json").exists() and (dest / "model.safetensors").exists():
         return dest
     log.info("converting %s to a Hugging Face folder at %s (once)", gguf_path.name, dest)
@@ -109,12 +113,6 @@ def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
     out.mkdir(parents=True)
     clean.save_pretrained(out)
     tok.save_pretrained(out)
-
-
-def read_model_config(model_path: str, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
 
 # ---------------------------------------------------------------------------------------------

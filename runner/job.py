@@ -49,21 +49,24 @@ def run_job(cfg: Any) -> dict[str, Any]:
     for k, v in cfg.hardware.env.items():
         os.environ[str(k)] = str(v)
 
-    from runner.assets import resolve_model
+    from runner.preflight import build_plan, raise_first_error
 
-    model_path = resolve_model(cfg.model, output_root)
-    facts = resolve_facts(cfg, model_path)  # config.json only; still no weights
+    facts, layout, config = resolve_facts(cfg, output_root)  # config files only; no weights
     store = ArtifactStore(output_root)
+    pipeline = Pipeline(cfg, facts, store, None)
+    plan = build_plan(cfg, facts, layout, config, pipeline, output_root)
+    print(plan.render(), flush=True)
+    log.info("preflight took %.2f s since start", time.time() - t_start)
+    raise_first_error(plan)
+    if cfg.run.plan_only:
+        return {"plan": plan, "facts": facts, "layout": layout, "stages": {}, "acceptance_length": None}
 
+    from runner.assets import resolve_model
     from runner.tracking import Tracker
 
+    resolve_model(cfg.model, output_root)  # converts a packaged GGUF once; facts.path points there
     tracker = Tracker(cfg.tracking, output_root)
-    pipeline = Pipeline(cfg, facts, store, tracker)
-    plan = pipeline.plan()
-    log.info("target %s: %d layers, hidden %d, vocab %d; capture ids (vLLM convention) %s",
-             facts.path, facts.num_layers, facts.hidden_size, facts.vocab_size, list(facts.capture_ids))
-    for p in plan:
-        log.info("plan: %-8s %-6s key %s", p.name, p.action, p.key)
+    pipeline.tracker = tracker
 
     run_name = cfg.run.name or f"{cfg.model.name}-{cfg.data.name}-{cfg.train.name}"
     tags = {
@@ -77,7 +80,8 @@ def run_job(cfg: Any) -> dict[str, Any]:
     status = "FAILED"
     try:
         tracker.log_params(config_dict(cfg))
-        tracker.log_params({"resolved.capture_ids_vllm": list(facts.capture_ids),
+        tracker.log_params({"resolved.architecture": layout.architecture, "resolved.layers_path": layout.layers,
+                            "resolved.capture_ids_vllm": list(facts.capture_ids),
                             "resolved.aux_layers_vllm": list(facts.aux_layers),
                             "resolved.capture_layers_output_of": [i - 1 for i in facts.capture_ids],
                             "resolved.num_layers": facts.num_layers, "resolved.hidden_size": facts.hidden_size,

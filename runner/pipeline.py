@@ -28,6 +28,10 @@ from runner.validate import ModelFacts
 
 log = logging.getLogger("runner")
 
+# Which target identity each stage's output depends on.
+_PROVENANCE = {"prepare": ("tokenizer_id",), "vocab": ("tokenizer_id",), "extract": ("tokenizer_id", "weights_id"),
+               "train": ("tokenizer_id", "weights_id"), "evaluate": ("tokenizer_id", "weights_id")}
+
 
 def lib_version(*names: str) -> str:
     for name in names:
@@ -130,6 +134,7 @@ class Pipeline:
             if p.action == "cached":
                 art = self.store.get(p.name, p.key)
                 assert art is not None
+                self._check_provenance(art)
                 log.info("[%s] cached: reusing %s", p.name, art.path)
                 status = "cached"
             else:
@@ -149,6 +154,19 @@ class Pipeline:
             results.append(StageResult(p.name, p.key, status, seconds, art.path, metrics))
             log.info("[%s] %s in %.1f s -> %s", p.name, status, seconds, art.path)
         return results
+
+    def _check_provenance(self, art: Artifact) -> None:
+        """A reused artifact must have been made for this target: its manifest says which.
+        (Keys already include these ids; this catches stores copied or edited by hand.)"""
+        made_for = art.manifest.get("model", {})
+        for field_name in ("tokenizer_id", "weights_id"):
+            mine = getattr(self.facts, field_name)
+            theirs = made_for.get(field_name)
+            if theirs is not None and theirs != mine and field_name in _PROVENANCE[art.stage]:
+                raise StageError(
+                    f"{art.stage} artifact {art.path} was made for another {field_name.split('_')[0]} "
+                    f"({theirs}, this target has {mine}); refusing to reuse it. Delete it or run with run.force=[{art.stage}]."
+                )
 
     def _compute(self, p: PlannedStage, artifacts: dict[str, Artifact]) -> Artifact:
         mod = p.module

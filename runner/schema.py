@@ -42,6 +42,14 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     # A Jinja chat template that replaces the tokenizer's own (null = the tokenizer's).
     chat_template: Optional[str] = None
+    # Template keyword arguments this target needs (e.g. Kimi's {thinking: false}); data's own
+    # chat_template_kwargs are applied on top.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Expected config.json architecture (checked in preflight), e.g. KimiK25ForConditionalGeneration.
+    architecture: Optional[str] = None
+    # Where the text model and LM head live, for wrappers neither transformers nor the runner's
+    # registry knows: {text_model: language_model.model, lm_head: language_model.lm_head}.
+    layout: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,6 +69,10 @@ class HardwareConfig:
     # (on CPU the KV cache lives in RAM).
     vllm_memory_utilization: float = 0.5
     vllm_kv_cache_gib: Optional[float] = None
+    # Memory of one GPU, for the weights-per-GPU check (null = not checked).
+    gpu_memory_gib: Optional[float] = None
+    # "nvlink", "pcie" or "none": shown in the plan (PCIe-only boxes all-reduce through NCCL).
+    interconnect: str = "none"
     # Environment set for every stage and child process (NCCL variables and the like).
     env: dict[str, str] = field(default_factory=dict)
 
@@ -152,6 +164,8 @@ class RunConfig:
     force: list[str] = field(default_factory=list)
     # Root of the artifact store, model cache and default MLflow store.
     output_root: str = "outputs"
+    # Print the preflight plan and stop: no weights load, no GPU needed, seconds.
+    plan_only: bool = False
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from runner.errors import ConfigError
 from runner.schema import STAGES
 
 KNOWN_DTYPES = ("bfloat16", "float16", "float32")
+LAYOUT_VERSION = "1"  # bump when runner.adapters changes what a layout holds
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def check_known_keys(cfg: Any) -> None:
             if key == "hydra":
                 continue
             full = f"{prefix}{key}"
+            if key == "_target_":
+                raise ConfigError(full, "the runner instantiates no classes from config; remove it")
             if key not in list(schema.keys()):
                 known = ", ".join(sorted(str(k) for k in schema.keys()))
                 raise ConfigError(full, f"unknown key; {prefix.rstrip('.') or 'the root'} takes: {known}")
@@ -143,59 +147,131 @@ def check_declared(cfg: Any) -> None:
         check_aux_layers(list(m.capture_layers), m.num_layers)
 
 
-def _text_config(hf_config: Any) -> Any:
-    # Multimodal wrappers keep the language model's numbers in text_config.
-    return getattr(hf_config, "text_config", None) or hf_config
-
-
-def _fingerprint(model_path: str, names: tuple[str, ...]) -> str:
-    p = Path(model_path)
+def _sha(*parts: Any) -> str:
     h = hashlib.sha256()
-    if not p.is_dir():  # a hub id: identity is the id itself
-        h.update(model_path.encode())
-        return h.hexdigest()[:16]
-    for name in names:
-        f = p / name
-        if f.is_file():
-            h.update(name.encode())
-            h.update(f.read_bytes())
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else str(part).encode())
     return h.hexdigest()[:16]
 
 
-def _weights_fingerprint(model_path: str) -> str:
-    p = Path(model_path)
-    if not p.is_dir():
-        return hashlib.sha256(model_path.encode()).hexdigest()[:16]
-    h = hashlib.sha256((p / "config.json").read_bytes())
-    # Names and sizes of the weight files: hashing hundreds of GB of shards is not an option.
-    for f in sorted(p.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()[:16]
+def _folder_fingerprint(folder: Path, names: tuple[str, ...]) -> str:
+    return _sha(*[name.encode() + (folder / name).read_bytes() for name in names if (folder / name).is_file()])
 
 
-def resolve_facts(cfg: Any, model_path: str) -> ModelFacts:
-    from runner.assets import read_model_config
+def read_target_config(model_cfg: Any, output_root: Path) -> tuple[dict[str, Any], str, str, str]:
+    """(config.json contents, path the weights will load from, tokenizer id, weights id).
 
-    hf = _text_config(read_model_config(model_path, cfg.model.trust_remote_code))
-    actual = {"num_layers": hf.num_hidden_layers, "hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size}
+    Reads configuration only: a local config.json, a packaged GGUF's metadata, or a hub
+    config.json (from the local HF cache when offline). No weights load, nothing is converted.
+    """
+    from runner.assets import PACKAGE_PREFIX, _package_dir, packaged_model_dir
+
+    source: str = model_cfg.source
+    template = model_cfg.chat_template or ""
+    if source.startswith(PACKAGE_PREFIX):
+        module = source[len(PACKAGE_PREFIX):]
+        if not model_cfg.gguf_file:
+            raise ConfigError("model.gguf_file", "a package: model source needs model.gguf_file")
+        gguf = _package_dir(module, "model.source") / model_cfg.gguf_file
+        if not gguf.is_file():
+            raise ConfigError("model.gguf_file", f"{gguf} not found in package {module}")
+        dest = packaged_model_dir(model_cfg, output_root)
+        if (dest / "config.json").is_file():
+            config = json.loads((dest / "config.json").read_text())
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+        ident = _sha(module, gguf.name, gguf.stat().st_size)
+        return config, str(dest), _sha(ident, template), ident
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError("model.source", f"{path} has no config.json")
+        config = json.loads((path / "config.json").read_text())
+        tok = _folder_fingerprint(path, ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                                         "tokenizer.model", "tiktoken.model", "special_tokens_map.json"))
+        weights = _sha((path / "config.json").read_bytes(),
+                       *[f"{f.name}:{f.stat().st_size}" for f in sorted(path.glob("*.safetensors"))])
+        return config, str(path.resolve()), _sha(tok, template), weights
+    if source.startswith(("/", "./", "../", "~")):
+        raise ConfigError("model.source", f"local model folder {source} does not exist")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        cfg_file = hf_hub_download(source, "config.json", revision=model_cfg.revision)
+    except Exception as exc:
+        raise ConfigError("model.source", f"cannot read config.json of hub model {source!r} ({type(exc).__name__}); "
+                                          "download the model or point model.source at a local folder") from None
+    config = json.loads(Path(cfg_file).read_text())
+    ident = _sha(source, model_cfg.revision)
+    return config, source, _sha(ident, template), ident
+
+
+def remote_code_reasons(config: dict[str, Any], model_path: str) -> list[str]:
+    """Why loading this target would execute code from its repository (empty: it would not)."""
+    from transformers import CONFIG_MAPPING
+
+    reasons = []
+    if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+        reasons.append(f"config.json maps model_type {config.get('model_type')!r}, unknown to transformers, to custom classes")
+    tok_cfg = Path(model_path) / "tokenizer_config.json"
+    if tok_cfg.is_file():
+        auto = json.loads(tok_cfg.read_text()).get("auto_map") or {}
+        if "AutoTokenizer" in auto:
+            reasons.append(f"tokenizer_config.json maps AutoTokenizer to {auto['AutoTokenizer'][0]}")
+    return reasons
+
+
+def cached_layout(config: dict[str, Any], override: dict[str, str], output_root: Path) -> Any:
+    """`layout_from_config`, remembered per config.json content: building even a meta model needs
+    transformers' modeling code (~2 s to import), which a repeated plan should not pay again."""
+    from runner.adapters import TargetLayout, layout_from_config
+
+    key = _sha(json.dumps(config, sort_keys=True), json.dumps(override, sort_keys=True), LAYOUT_VERSION)
+    path = output_root / "cache" / "layouts" / f"{key}.json"
+    if path.is_file():
+        return TargetLayout(**json.loads(path.read_text()))
+    try:
+        layout = layout_from_config(config, override)
+    except ValueError as exc:
+        raise ConfigError("model.layout", str(exc)) from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(layout.as_dict()))
+    os.replace(tmp, path)
+    return layout
+
+
+def resolve_facts(cfg: Any, output_root: Path) -> tuple[ModelFacts, Any, dict[str, Any]]:
+    """Facts, layout and raw config of the target, from configuration files only."""
+    config, path, tok_id, weights_id = read_target_config(cfg.model, output_root)
+    reasons = remote_code_reasons(config, path)
+    if reasons and not cfg.model.trust_remote_code:
+        raise ConfigError("model.trust_remote_code", f"{'; '.join(reasons)}. Set model.trust_remote_code=true if "
+                                                     f"you trust {cfg.model.source}")
+    if cfg.model.trust_remote_code and not reasons:
+        raise ConfigError("model.trust_remote_code",
+                          f"is true but {cfg.model.source} needs no custom code (transformers ships its classes and "
+                          "its tokenizer); set it false so that no downloaded code runs")
+    arch = (config.get("architectures") or [None])[0]
+    if cfg.model.architecture and arch and cfg.model.architecture != arch:
+        raise ConfigError("model.architecture", f"expects {cfg.model.architecture} but config.json says {arch}")
+    layout = cached_layout(config, dict(cfg.model.layout), output_root)
+    actual = {"num_layers": layout.num_layers, "hidden_size": layout.hidden_size, "vocab_size": layout.vocab_size}
     for name, value in actual.items():
         declared = cfg.model.get(name)
         if declared is not None and declared != value:
-            raise ConfigError(f"model.{name}", f"declares {declared} but {model_path}/config.json says {value}")
-    n = actual["num_layers"]
+            raise ConfigError(f"model.{name}", f"declares {declared} but the target's config.json says {value}")
+    n = layout.num_layers
     aux = cfg.model.capture_layers
     aux_layers = check_aux_layers(list(aux) if aux is not None else default_aux_layers(n), n)
-    if cfg.train.draft_vocab_size > actual["vocab_size"]:
+    if cfg.train.draft_vocab_size > layout.vocab_size:
         raise ConfigError("train.draft_vocab_size",
-                          f"{cfg.train.draft_vocab_size} is larger than the target's vocab ({actual['vocab_size']})")
-    tok_id = _fingerprint(model_path, ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                                       "tokenizer.model", "special_tokens_map.json"))
-    if cfg.model.chat_template:
-        tok_id = hashlib.sha256((tok_id + cfg.model.chat_template).encode()).hexdigest()[:16]
-    return ModelFacts(
-        path=model_path, num_layers=n, hidden_size=actual["hidden_size"], vocab_size=actual["vocab_size"],
-        aux_layers=aux_layers, tokenizer_id=tok_id, weights_id=_weights_fingerprint(model_path),
-    )
+                          f"{cfg.train.draft_vocab_size} is larger than the target's vocab ({layout.vocab_size})")
+    facts = ModelFacts(path=path, num_layers=n, hidden_size=layout.hidden_size, vocab_size=layout.vocab_size,
+                       aux_layers=aux_layers, tokenizer_id=tok_id, weights_id=weights_id)
+    return facts, layout, config
 
 
 def facts_summary(facts: ModelFacts) -> str:

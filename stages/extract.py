@@ -91,7 +91,8 @@ class TransformersBackend:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from runner.adapters import decoder_layers
+        from runner.adapters import decoder_layers, layout_from_model
+        from runner.layer_ids import hook_point
 
         hw = cfg.hardware
         self.device = torch.device("cuda" if hw.device == "cuda" else "cpu")
@@ -101,14 +102,16 @@ class TransformersBackend:
             facts.path, dtype=self.dtype, trust_remote_code=cfg.model.trust_remote_code
         ).to(self.device).eval()
         self.layers = decoder_layers(self.model, facts.num_layers)
+        self.layout = layout_from_model(self.model)
         self.ids = facts.capture_ids
         self._captured: dict[int, Any] = {}
         self._hooks = []
         for lid in self.ids:
-            if lid == 0:
-                self._hooks.append(self.layers[0].register_forward_pre_hook(self._pre_hook(lid), with_kwargs=True))
+            where, i = hook_point(lid, facts.num_layers)
+            if where == "pre":
+                self._hooks.append(self.layers[i].register_forward_pre_hook(self._pre_hook(lid), with_kwargs=True))
             else:
-                self._hooks.append(self.layers[lid - 1].register_forward_hook(self._post_hook(lid)))
+                self._hooks.append(self.layers[i].register_forward_hook(self._post_hook(lid)))
 
     def _pre_hook(self, lid: int):
         def hook(_module, args, kwargs):
@@ -119,6 +122,27 @@ class TransformersBackend:
         def hook(_module, _args, output):
             self._captured[lid] = output[0] if isinstance(output, tuple) else output
         return hook
+
+    def self_test(self, ids: Any) -> dict[str, float]:
+        """One sample before the full run: the right number of slots, and the target's own final
+        norm and LM head applied to the last slot reproduce the target's next-token choices (so
+        the last slot is the pre-norm final state, not one layer off and not post-norm)."""
+        import torch
+
+        from runner.adapters import _get
+
+        self._captured.clear()
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids[None].to(self.device), use_cache=False).logits[0]
+            if sorted(self._captured) != sorted(self.ids):
+                raise RuntimeError(f"self-test: captured ids {sorted(self._captured)}, expected {list(self.ids)}")
+            final = self._captured[self.ids[-1]][0]
+            mine = _get(self.model, self.layout.lm_head)(_get(self.model, self.layout.norm)(final))
+        agree = (mine.argmax(-1) == logits.argmax(-1)).float().mean().item()
+        if agree < 0.98:
+            raise RuntimeError(f"self-test: the target's head on the captured final slot agrees with its own next "
+                               f"tokens at only {agree:.1%} of positions; the last slot is not the pre-norm final state")
+        return {"selftest_slots": float(len(self._captured)), "selftest_next_token_agreement": agree}
 
     def close(self) -> None:
         for h in self._hooks:
@@ -177,6 +201,8 @@ def run(ctx: Any) -> dict[str, Any]:
     t_load = time.time()
     backend = BACKENDS[backend_name](cfg, ctx.facts)
     load_s = time.time() - t_load
+    selftest = backend.self_test(rows[order[-1]]["input_ids"]) if hasattr(backend, "self_test") else {}
+    log.info("extract self-test passed: %s", selftest)
     stats = LayerStats(ctx.facts.capture_ids)
     total_tokens = sum(lengths)
     t0 = time.time()
@@ -203,6 +229,6 @@ def run(ctx: Any) -> dict[str, Any]:
     return {
         "samples": len(rows), "tokens": total_tokens, "tokens_per_s": total_tokens / seconds,
         "model_load_s": load_s, "extract_s": seconds, "bytes": written,
-        "bytes_per_token": written / total_tokens, "slots": len(ctx.facts.capture_ids),
+        "bytes_per_token": written / total_tokens, "slots": len(ctx.facts.capture_ids), **selftest,
         **{f"{layer}/{name}": v for layer, st in layer_stats.items() for name, v in st.items()},
     }

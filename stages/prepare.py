@@ -26,7 +26,7 @@ def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
         "tokenizer": facts.tokenizer_id,
         "source": d.source, "split": d.split, "column": d.column, "num_samples": d.num_samples,
         "max_seq_len": d.max_seq_len, "shuffle": d.shuffle, "seed": d.seed,
-        "chat_template_kwargs": dict(d.chat_template_kwargs),
+        "chat_template_kwargs": {**dict(cfg.model.chat_template_kwargs), **dict(d.chat_template_kwargs)},
         "min_assistant_tokens": d.min_assistant_tokens,
     }
 
@@ -101,7 +101,7 @@ def run(ctx: Any) -> dict[str, Any]:
     cfg = ctx.cfg.data
     tok = load_tokenizer(ctx.cfg, ctx.facts)
     convs = load_conversations(cfg)
-    kwargs = dict(cfg.chat_template_kwargs)
+    kwargs = {**dict(ctx.cfg.model.chat_template_kwargs), **dict(cfg.chat_template_kwargs)}
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     skipped = {"template_mismatch": 0, "few_assistant_tokens": 0}
     truncated = multi_turn = used = 0

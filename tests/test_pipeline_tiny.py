@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -141,8 +142,49 @@ def test_a_failed_stage_publishes_nothing(first_run, tiny_model_dir, chats_jsonl
 
 
 def test_a_stage_outside_run_stages_must_be_in_the_store(first_run, tiny_model_dir, chats_jsonl, tmp_path):
-    from runner.errors import StageError
+    from runner.errors import ConfigError
 
     cfg = compose(tiny_overrides(tiny_model_dir, chats_jsonl, tmp_path, "run.stages=[vocab]"))
-    with pytest.raises(StageError, match=r"run.stages=\[prepare\]"):
+    with pytest.raises(ConfigError) as info:  # found in preflight, before anything loads
         run_job(cfg)
+    assert info.value.key == "run.stages" and "run.stages=[prepare]" in info.value.message
+
+
+def test_a_cached_mapping_made_for_another_tokenizer_is_refused(first_run, tiny_model_dir, chats_jsonl):
+    from runner.errors import StageError
+
+    _, first, root = first_run
+    manifest_path = first["results"]["vocab"].path / "manifest.json"
+    original = manifest_path.read_text()
+    m = json.loads(original)
+    m["model"]["tokenizer_id"] = "0123456789abcdef"  # as if copied in from a run on another tokenizer
+    manifest_path.write_text(json.dumps(m))
+    try:
+        with pytest.raises(StageError, match="another tokenizer"):
+            run_job(compose(tiny_overrides(tiny_model_dir, chats_jsonl, root)))
+    finally:
+        manifest_path.write_text(original)
+
+
+def test_extraction_self_test_passed_and_catches_a_wrong_final_slot(first_run, tiny_model_dir, monkeypatch):
+    import datasets
+    from omegaconf import OmegaConf
+
+    import runner.layer_ids as layer_ids
+    from stages.extract import TransformersBackend
+
+    cfg, result, _ = first_run
+    m = json.loads((result["results"]["extract"].path / "manifest.json").read_text())["metrics"]
+    assert m["selftest_slots"] == 4 and m["selftest_next_token_agreement"] == 1.0
+    # One layer off for the final slot (layer n-2's output): the target's own head no longer
+    # reproduces its next tokens, and the self-test stops extraction.
+    from runner.validate import resolve_facts
+
+    real = layer_ids.hook_point
+    monkeypatch.setattr(layer_ids, "hook_point", lambda k, n: ("post", k - 2) if k == n else real(k, n))
+    f, _, _ = resolve_facts(cfg, Path(OmegaConf.select(cfg, "run.output_root")))
+    backend = TransformersBackend(cfg, f)
+    rows = datasets.load_from_disk(str(result["results"]["prepare"].path / "dataset")).with_format("torch")
+    with pytest.raises(RuntimeError, match="self-test"):
+        backend.self_test(rows[0]["input_ids"])
+    backend.close()

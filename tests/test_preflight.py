@@ -1,0 +1,79 @@
+"""Preflight: the plan is computed from config files alone, and each wrong config fails there,
+before any weight loads, naming the key to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runner.errors import ConfigError
+from runner.job import run_job
+from tests.conftest import compose
+
+KIMI = str(Path(__file__).parent / "data" / "kimi_k25")
+KIMI_BOX = ["model=kimi_k25", f"model.source={KIMI}", "hardware=blackwell8", "train=eagle3_gpu", "run.plan_only=true"]
+
+
+def plan(tmp_path, *overrides):
+    return run_job(compose([*KIMI_BOX, f"run.output_root={tmp_path}", *overrides]))
+
+
+def test_kimi_on_blackwell8_plan_from_config_json_alone(tmp_path, capsys):
+    result = plan(tmp_path)
+    p, facts, layout = result["plan"], result["facts"], result["layout"]
+    assert facts.capture_ids == (2, 30, 58, 61)
+    assert layout.layers == "language_model.model.layers"
+    n = p.numbers
+    assert n["bytes_per_token"] == 4 * 7168 * 2 + 8          # 56 KiB of hidden states per token
+    assert n["teacher_logits_bytes"] == 8192 * 32000 * 4
+    assert n["full_vocab_logits_bytes"] == 8192 * 163840 * 4  # 640 KiB per token at full vocab
+    assert 60 * 2**30 < n["weight_bytes_per_gpu"] < 75 * 2**30  # INT4 experts: ~69 GB per GPU at TP 8
+    out = capsys.readouterr().out
+    for text in ("[1, 29, 57, 60]", "NCCL_P2P_LEVEL=SYS", "TP 8", "384 experts", "needs >= 0.18.0", "prepare:run"):
+        assert text in out, text
+    assert not p.errors
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model.capture_layers=[2,30,61]"], "model.capture_layers"),          # past the last aux layer (61 = n)
+    (["model.capture_layers=[2,30,30]"], "model.capture_layers"),          # duplicates
+    (["hardware.tensor_parallel_size=3"], "hardware.tensor_parallel_size"),  # 64 heads
+    (["hardware.tensor_parallel_size=4", "hardware.num_gpus=4"], "hardware.tensor_parallel_size"),  # 138 GiB/GPU > 96
+    (["train.draft_vocab_size=200000"], "train.draft_vocab_size"),         # above 163,840
+    (["data.num_samples=1000000000"], "data.num_samples"),                 # hidden states exceed free disk
+    (["model.trust_remote_code=false"], "model.trust_remote_code"),        # its tokenizer is custom code
+    (["model.num_layers=60"], "model.num_layers"),                         # declared fact vs config.json
+    (["model.architecture=DeepseekV3ForCausalLM"], "model.architecture"),
+    (["+model._target_=os.system"], "model._target_"),                     # the runner instantiates nothing
+])
+def test_wrong_config_fails_in_preflight_with_the_key(tmp_path, overrides, key):
+    with pytest.raises(ConfigError) as info:
+        plan(tmp_path, *overrides)
+    assert info.value.key == key
+
+
+def test_trust_remote_code_only_when_needed(tmp_path, tiny_model_dir):
+    cfg = ["model=hf", f"model.source={tiny_model_dir}", "model.name=tiny", "model.capture_layers=[1,2,3]",
+           "train.draft_vocab_size=512", "run.plan_only=true", f"run.output_root={tmp_path}"]
+    assert run_job(compose(cfg))["facts"].num_layers == 4
+    with pytest.raises(ConfigError) as info:
+        run_job(compose([*cfg, "model.trust_remote_code=true"]))
+    assert info.value.key == "model.trust_remote_code"
+
+
+def test_an_old_vllm_is_refused_for_kimi(tmp_path, monkeypatch):
+    import runner.preflight as pf
+
+    monkeypatch.setattr(pf, "installed_vllm", lambda: "0.17.1")
+    with pytest.raises(ConfigError) as info:
+        plan(tmp_path)
+    assert info.value.key == "run.stages" and "0.18.0" in info.value.message
+
+
+def test_default_speculators_layers_collide_on_a_four_layer_model(tmp_path, tiny_model_dir):
+    # [2, n//2, n-3] = [2, 2, 1] for n = 4: vLLM would crash on the duplicate; caught here.
+    with pytest.raises(ConfigError) as info:
+        run_job(compose(["model=hf", f"model.source={tiny_model_dir}", "model.name=tiny", "train.draft_vocab_size=512",
+                         "run.plan_only=true", f"run.output_root={tmp_path}"]))
+    assert info.value.key == "model.capture_layers"
