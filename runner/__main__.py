@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -27,16 +28,26 @@ ConfigStore.instance().store(name="base_config", node=RunnerConfig)
 def main(cfg) -> float | None:
     from runner.job import run_job
 
+    multirun = _is_multirun()
     try:
         result = run_job(cfg)
     except ConfigError as exc:
         print(f"\nconfig error: {exc.key}: {exc.message}\n(change `{exc.key}` in conf/ or on the command line)",
               file=sys.stderr)
+        if multirun:  # the job's run is FAILED; the sweep goes on and its parent still closes
+            return None
         sys.exit(2)
     except StageError as exc:
         print(f"\nstage error: {exc}", file=sys.stderr)
+        if multirun:
+            return None
         sys.exit(1)
-    if cfg.run.plan_only and not _is_multirun():
+    except Exception:
+        if multirun:
+            traceback.print_exc()
+            return None
+        raise
+    if cfg.run.plan_only and not multirun:
         # Nothing is left to write; skip the interpreter's teardown of torch and transformers
         # (about a second of a plan that should take a few).
         sys.stdout.flush()
@@ -55,3 +66,8 @@ def _is_multirun() -> bool:
 
 if __name__ == "__main__":
     main()
+    from runner.sweep import FAILED_JOBS
+
+    if FAILED_JOBS:
+        print(f"{len(FAILED_JOBS)} sweep job(s) failed: {FAILED_JOBS}", file=sys.stderr)
+        sys.exit(1)

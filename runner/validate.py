@@ -1,9 +1,10 @@
 """Checks of the composed config that need facts about the target, and the facts themselves.
 
 `check_declared(cfg)` runs right after composition, before anything is loaded, on the facts the
-model yaml declares. `resolve_facts(cfg, model_path)` then reads the target's config.json (no
-weights), checks the declared facts against it and returns `ModelFacts`: the numbers every stage
-uses (layer count, hidden size, vocab size, capture ids).
+model yaml declares. `resolve_facts(cfg, output_root)` then reads the target's configuration
+files only (config.json, tokenizer_config.json, a packaged GGUF's metadata; no weights), checks
+the declared facts, remote-code needs and capture layers against them, and returns `ModelFacts`
+(the numbers every stage uses) with the target's `TargetLayout` (runner/adapters.py).
 
 Layer ids use the vLLM / speculators convention (see runner/schema.py); `capture_ids` is the
 auxiliary ids plus the final pre-norm id n, distinct and ascending as vLLM requires.
@@ -32,6 +33,9 @@ class ModelFacts:
     hidden_size: int
     vocab_size: int
     aux_layers: tuple[int, ...]
+    # What extraction captures: the auxiliary layers of every job that shares it (a sweep's
+    # union; in a single run the same as aux_layers). The final layer n is added to both.
+    extract_aux: tuple[int, ...]
     # Fingerprints that key cached artifacts: one for the tokenizer, one for the weights.
     tokenizer_id: str
     weights_id: str
@@ -40,15 +44,49 @@ class ModelFacts:
     def capture_ids(self) -> tuple[int, ...]:
         return (*self.aux_layers, self.num_layers)
 
+    @property
+    def extract_ids(self) -> tuple[int, ...]:
+        return (*self.extract_aux, self.num_layers)
+
+    @property
+    def train_slots(self) -> tuple[int, ...]:
+        """Positions of this job's capture ids among the extracted slots."""
+        return tuple(self.extract_ids.index(i) for i in self.capture_ids)
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["capture_ids"] = list(self.capture_ids)
+        d["extract_ids"] = list(self.extract_ids)
         return d
 
 
 def default_aux_layers(n: int) -> list[int]:
     """speculators' and vLLM's default EAGLE-3 aux layers: [2, n//2, n-3]."""
     return [2, n // 2, n - 3]
+
+
+CAPTURE_PRESETS = {
+    "default": default_aux_layers,
+    "early": lambda n: [1, n // 4, n // 2],
+    "late": lambda n: [n // 2, (3 * n) // 4, n - 2],
+    "four": lambda n: [2, n // 3, (2 * n) // 3, n - 3],
+}
+
+
+def preset_layers(name: str, n: int, key: str = "model.capture_preset") -> list[int]:
+    if name not in CAPTURE_PRESETS:
+        raise ConfigError(key, f"unknown preset {name!r}; choose from {sorted(CAPTURE_PRESETS)}")
+    return CAPTURE_PRESETS[name](n)
+
+
+def aux_and_superset(cfg: Any, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This job's auxiliary layers and what extraction captures (with the sweep's other choices)."""
+    aux = cfg.model.capture_layers
+    mine = check_aux_layers(list(aux) if aux is not None else preset_layers(cfg.model.capture_preset, n), n)
+    union = set(mine)
+    for name in cfg.extract.superset_presets:
+        union.update(check_aux_layers(preset_layers(name, n, "extract.superset_presets"), n))
+    return mine, tuple(sorted(union))
 
 
 def check_aux_layers(layers: list[int], n: int) -> tuple[int, ...]:
@@ -143,8 +181,8 @@ def check_declared(cfg: Any) -> None:
     if m.vocab_size is not None and t.draft_vocab_size > m.vocab_size:
         raise ConfigError("train.draft_vocab_size",
                           f"{t.draft_vocab_size} is larger than the target's vocab ({m.vocab_size})")
-    if m.num_layers is not None and m.capture_layers is not None:
-        check_aux_layers(list(m.capture_layers), m.num_layers)
+    if m.num_layers is not None:
+        aux_and_superset(cfg, m.num_layers)
 
 
 def _sha(*parts: Any) -> str:
@@ -264,15 +302,10 @@ def resolve_facts(cfg: Any, output_root: Path) -> tuple[ModelFacts, Any, dict[st
         if declared is not None and declared != value:
             raise ConfigError(f"model.{name}", f"declares {declared} but the target's config.json says {value}")
     n = layout.num_layers
-    aux = cfg.model.capture_layers
-    aux_layers = check_aux_layers(list(aux) if aux is not None else default_aux_layers(n), n)
+    aux_layers, extract_aux = aux_and_superset(cfg, n)
     if cfg.train.draft_vocab_size > layout.vocab_size:
         raise ConfigError("train.draft_vocab_size",
                           f"{cfg.train.draft_vocab_size} is larger than the target's vocab ({layout.vocab_size})")
     facts = ModelFacts(path=path, num_layers=n, hidden_size=layout.hidden_size, vocab_size=layout.vocab_size,
-                       aux_layers=aux_layers, tokenizer_id=tok_id, weights_id=weights_id)
+                       aux_layers=aux_layers, extract_aux=extract_aux, tokenizer_id=tok_id, weights_id=weights_id)
     return facts, layout, config
-
-
-def facts_summary(facts: ModelFacts) -> str:
-    return json.dumps(facts.as_dict(), indent=None)

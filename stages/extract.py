@@ -31,7 +31,7 @@ log = logging.getLogger("runner")
 def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
     return {
         "weights": facts.weights_id,
-        "capture_ids": list(facts.capture_ids),
+        "capture_ids": list(facts.extract_ids),
         "dtype": cfg.hardware.dtype,
         "backend": cfg.extract.backend,
     }
@@ -103,7 +103,7 @@ class TransformersBackend:
         ).to(self.device).eval()
         self.layers = decoder_layers(self.model, facts.num_layers)
         self.layout = layout_from_model(self.model)
-        self.ids = facts.capture_ids
+        self.ids = facts.extract_ids
         self._captured: dict[int, Any] = {}
         self._hooks = []
         for lid in self.ids:
@@ -203,7 +203,7 @@ def run(ctx: Any) -> dict[str, Any]:
     load_s = time.time() - t_load
     selftest = backend.self_test(rows[order[-1]]["input_ids"]) if hasattr(backend, "self_test") else {}
     log.info("extract self-test passed: %s", selftest)
-    stats = LayerStats(ctx.facts.capture_ids)
+    stats = LayerStats(ctx.facts.extract_ids)
     total_tokens = sum(lengths)
     t0 = time.time()
     pending: list[Future] = []
@@ -225,10 +225,12 @@ def run(ctx: Any) -> dict[str, Any]:
     seconds = time.time() - t0
     layer_stats = stats.as_dict()
     (ctx.out / "layer_stats.json").write_text(json.dumps(layer_stats, indent=2))
+    # Which vLLM layer id each slot of the files holds (train selects its own from these).
+    (ctx.out / "capture_ids.json").write_text(json.dumps(list(ctx.facts.extract_ids)))
     written = sum(p.stat().st_size for p in out_dir.iterdir())
     return {
         "samples": len(rows), "tokens": total_tokens, "tokens_per_s": total_tokens / seconds,
         "model_load_s": load_s, "extract_s": seconds, "bytes": written,
-        "bytes_per_token": written / total_tokens, "slots": len(ctx.facts.capture_ids), **selftest,
+        "bytes_per_token": written / total_tokens, "slots": len(ctx.facts.extract_ids), **selftest,
         **{f"{layer}/{name}": v for layer, st in layer_stats.items() for name, v in st.items()},
     }

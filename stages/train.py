@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,6 +72,9 @@ def speculators_argv(cfg: Any, facts: Any, data_path: Path, hidden_states: Path,
     ]
     if t.max_steps is not None:
         argv += ["--max-steps", str(t.max_steps)]
+    if facts.train_slots != tuple(range(len(facts.extract_ids))):
+        # The files hold a sweep's superset of layers; read only this job's slots.
+        argv += ["--hidden-states-backend", "runner-slots"]
     if cfg.model.trust_remote_code:
         argv += ["--trust-remote-code"]
     for k, v in dict(t.extra_args).items():
@@ -179,6 +183,11 @@ def run(ctx: Any) -> dict[str, Any]:
         extra=["--logger", "mlflow"] if ctx.tracker is not None else [],
     )
     ctx.manifest["speculators_argv"] = argv
+    if "runner-slots" in argv:
+        import stages.slot_backend  # noqa: F401  (registers the backend with speculators)
+
+        os.environ["EAGLE3_RUNNER_SLOTS"] = ",".join(str(i) for i in ctx.facts.train_slots)
+        ctx.manifest["slots"] = list(ctx.facts.train_slots)
     try:
         train_config = TrainConfig.resolve(argv)
     except SystemExit as exc:  # speculators parses flags with argparse, which exits on a bad one

@@ -1,0 +1,184 @@
+"""Sweeps in MLflow: one parent run per Hydra multirun, one child run per job, and the comparison.
+
+`SweepCallback` is registered in conf/config.yaml under `hydra.callbacks`. At the start of a
+multirun it creates the parent run and exports its id (EAGLE3_PARENT_RUN_ID), which every job's
+run takes as `mlflow.parentRunId`. Jobs never raise out of Hydra (the entry point records a
+failed job as a FAILED child and carries on), so `on_multirun_end` always runs: it builds the
+comparison from the children in MLflow, logs it to the parent (`comparison.csv`, `.md`, `.json`,
+`acceptance.png`) and closes the parent, FAILED if any child failed.
+
+`comparison_rows(client, parent_id)` / `render_table(rows)` are shared with `python -m runner.report`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+log = logging.getLogger("runner")
+PARENT_ENV = "EAGLE3_PARENT_RUN_ID"
+# Failed jobs seen by this process's callback; the entry point turns them into its exit status.
+FAILED_JOBS: list[str] = []
+
+METRICS = [
+    ("acceptance_length", "evaluate/acceptance_length"),
+    ("acc_pos_0", "evaluate/acceptance_pos_0"),
+    ("acc_pos_1", "evaluate/acceptance_pos_1"),
+    ("acc_pos_2", "evaluate/acceptance_pos_2"),
+    ("teacher_forced_al", "evaluate/teacher_forced_acceptance_length"),
+    ("vocab_coverage", "vocab/coverage"),
+    ("train_loss", "train/final_loss"),
+    ("val_loss", "train/val_loss_epoch"),
+]
+STAGES = ("prepare", "extract", "vocab", "train", "evaluate")
+
+
+def _tracking(config: Any) -> tuple[str, str]:
+    from runner.tracking import tracking_uri
+
+    root = Path(config.run.output_root).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return tracking_uri(config.tracking.uri, root), str(root)
+
+
+class SweepCallback(Callback):
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        import mlflow
+
+        from runner.tracking import Tracker
+
+        uri, root = _tracking(config)
+        tracker = Tracker(config.tracking, Path(root))  # creates the experiment if needed
+        client = mlflow.MlflowClient(uri)
+        overrides = list(config.hydra.overrides.task)
+        sweep_name = config.hydra.job.config_name
+        run = client.create_run(tracker.experiment_id, run_name=f"sweep-{sweep_name}",
+                                tags={"sweep.config": sweep_name, "sweep.overrides": " ".join(overrides),
+                                      "sweep.params": json.dumps({k: str(v) for k, v in
+                                                                  (config.hydra.sweeper.params or {}).items()})})
+        os.environ[PARENT_ENV] = run.info.run_id
+        FAILED_JOBS.clear()
+        log.info("sweep parent run %s (%s)", run.info.run_id, uri)
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        import mlflow
+
+        parent = os.environ.get(PARENT_ENV)
+        if not parent:
+            return
+        uri, _ = _tracking(config)
+        client = mlflow.MlflowClient(uri)
+        rows = comparison_rows(client, parent)
+        FAILED_JOBS.extend(r["run_id"] for r in rows if r["status"] != "FINISHED")
+        log_comparison(client, parent, rows)
+        print(render_table(rows))
+        client.set_terminated(parent, status="FAILED" if FAILED_JOBS else "FINISHED")
+        os.environ.pop(PARENT_ENV, None)
+
+
+def comparison_rows(client: Any, parent_id: str) -> list[dict[str, Any]]:
+    parent = client.get_run(parent_id)
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+                                  order_by=["attributes.start_time ASC"], max_results=1000)
+    swept = list(json.loads(parent.data.tags.get("sweep.params", "{}")))
+    for o in parent.data.tags.get("sweep.overrides", "").split():
+        key = o.split("=", 1)[0].lstrip("+~")
+        if "," in o and key not in swept:
+            swept.append(key)
+    rows = []
+    for child in children:
+        p, m, t = child.data.params, child.data.metrics, child.data.tags
+        row: dict[str, Any] = {"job": t.get("sweep.job", ""), "run_id": child.info.run_id, "status": child.info.status}
+        for key in swept:
+            row[key] = p.get(key, "")
+        row["capture_ids"] = p.get("resolved.capture_ids_vllm", "")
+        for name, metric in METRICS:
+            row[name] = m.get(metric)
+        row["computed"] = ",".join(s for s in STAGES if t.get(f"stage.{s}") == "computed")
+        row["job_s"] = sum(m.get(f"time/{s}_s", 0.0) for s in STAGES)
+        row["alone_s"] = sum(m.get(f"time/{s}_compute_cost_s", 0.0) for s in STAGES)
+        rows.append(row)
+    return rows
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(no jobs)"
+    cols = [c for c in rows[0] if c != "run_id"]
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = lambda vals: " | ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
+    out = [line(cols), "-+-".join("-" * w for w in widths), *(line(r) for r in cells)]
+    total_job = sum(r["job_s"] for r in rows)
+    total_alone = sum(r["alone_s"] for r in rows)
+    out.append(f"sweep time {total_job:.0f} s; the same jobs alone, nothing shared: {total_alone:.0f} s")
+    return "\n".join(out)
+
+
+def log_comparison(client: Any, parent_id: str, rows: list[dict[str, Any]]) -> None:
+    import csv
+
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "comparison.json").write_text(json.dumps(rows, indent=1, default=str))
+        (d / "comparison.md").write_text(render_table(rows) + "\n")
+        if rows:
+            with open(d / "comparison.csv", "w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+            _plot(rows, d / "acceptance.png")
+        client.log_artifacts(parent_id, str(d))
+    best = [r for r in rows if r.get("acceptance_length") is not None]
+    if best:
+        top = max(best, key=lambda r: r["acceptance_length"])
+        client.log_metric(parent_id, "best_acceptance_length", top["acceptance_length"])
+        client.set_tag(parent_id, "best_run", top["run_id"])
+    client.log_metric(parent_id, "jobs", len(rows))
+    client.log_metric(parent_id, "sweep_time_s", sum(r["job_s"] for r in rows))
+    client.log_metric(parent_id, "alone_time_s", sum(r["alone_s"] for r in rows))
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = "acceptance_length" if any(r.get("acceptance_length") is not None for r in rows) else "val_loss"
+    x_key = "capture_ids"
+    series_key = "train.draft_vocab_size" if "train.draft_vocab_size" in rows[0] else None
+    xs = list(dict.fromkeys(r[x_key] for r in rows))
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(str(r.get(series_key, "all")) if series_key else "all", []).append(r)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, rs in groups.items():
+        pts = [(xs.index(r[x_key]), r[metric]) for r in rs if r.get(metric) is not None]
+        if pts:
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"draft vocab {name}" if series_key else name)
+    ax.set_xticks(range(len(xs)))
+    ax.set_xticklabels(xs, rotation=15, fontsize=8)
+    ax.set_xlabel("capture ids (vLLM convention)")
+    ax.set_ylabel(metric.replace("_", " "))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

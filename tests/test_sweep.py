@@ -1,0 +1,89 @@
+"""A 3 x 3 sweep (capture layers x draft vocab size) through `python -m runner -m`, on a tiny
+12-layer model: one extraction shared by all nine jobs, one MLflow parent with nine children,
+and the comparison table in the parent and from `python -m runner.report`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def tiny12_model_dir(tmp_path_factory, smollm2_tokenizer):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    out = tmp_path_factory.mktemp("tiny12")
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    smollm2_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny12_model_dir, chats_jsonl, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep_out")
+    cmd = [sys.executable, "-m", "runner", "-m", "-cn", "capture_x_vocab",
+           "model=hf", f"model.source={tiny12_model_dir}", "model.name=tiny12",
+           "data=local_file", f"data.source={chats_jsonl}", "data.num_samples=30", "data.max_seq_len=96",
+           "data.min_assistant_tokens=4", "train.max_steps=3", "train.val_ratio=0.1", "train.epochs=1",
+           "run.stages=[prepare,extract,vocab,train]", f"run.output_root={root}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("EAGLE3_PARENT_RUN_ID", None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root, proc.stdout
+
+
+def test_one_extraction_of_the_union_serves_all_jobs(sweep):
+    root, _ = sweep
+    extracts = [p for p in (root / "store" / "extract").iterdir() if not p.name.startswith(".")]
+    assert len(extracts) == 1
+    # n = 12: default [2, 6, 9], early [1, 3, 6], late [6, 9, 10], plus the final 12
+    assert json.loads((extracts[0] / "capture_ids.json").read_text()) == [1, 2, 3, 6, 9, 10, 12]
+    assert len([p for p in (root / "store" / "train").iterdir() if not p.name.startswith(".")]) == 9
+    assert len([p for p in (root / "store" / "vocab").iterdir() if not p.name.startswith(".")]) == 3
+
+
+def test_one_parent_with_nine_children_and_the_table(sweep):
+    import mlflow
+
+    from runner.sweep import comparison_rows
+
+    root, stdout = sweep
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("eagle3")
+    parents = client.search_runs([exp.experiment_id], filter_string="tags.`sweep.config` = 'capture_x_vocab'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0].info.run_id
+    rows = comparison_rows(client, parent)
+    assert len(rows) == 9 and all(r["status"] == "FINISHED" for r in rows)
+    combos = {(r["model.capture_preset"], r["train.draft_vocab_size"]) for r in rows}
+    assert combos == {(p, v) for p in ("default", "early", "late") for v in ("4096", "8192", "16384")}
+    ids = {r["model.capture_preset"]: r["capture_ids"] for r in rows}
+    assert ids == {"default": "[2, 6, 9, 12]", "early": "[1, 3, 6, 12]", "late": "[6, 9, 10, 12]"}
+    assert all(r["vocab_coverage"] == 1.0 and r["train_loss"] > 0 for r in rows)
+    # Exactly one job computed the extraction; the others reused it.
+    assert sum("extract" in r["computed"].split(",") for r in rows) == 1
+    arts = {a.path for a in client.list_artifacts(parent)}
+    assert {"comparison.csv", "comparison.md", "comparison.json", "acceptance.png"} <= arts
+    assert "sweep time" in stdout
+
+
+def test_report_prints_the_table_from_mlflow(sweep):
+    root, _ = sweep
+    out = subprocess.run([sys.executable, "-m", "runner.report", "--output-root", str(root)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("sweep capture_x_vocab")
+    assert sum(1 for l in lines if "[6, 9, 10, 12]" in l) == 3
