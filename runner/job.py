@@ -146,9 +146,10 @@ def _run_job(cfg: Any) -> dict[str, Any]:
         print(f"  {r.name:<9} {r.status:<8} {r.seconds:7.1f} s  {r.path}")
     if acc is not None:
         per_pos = [f"{eval_metrics[k]:.3f}" for k in sorted(eval_metrics) if k.startswith("acceptance_pos_")]
+        same = eval_metrics.get("identical_to_target_fraction")
         print(f"  acceptance length {acc:.3f} (k={cfg.eval.num_speculative_tokens}, per position {per_pos}, "
-              f"{eval_metrics.get('prompts')} prompts, identical to target: "
-              f"{eval_metrics.get('identical_to_target_fraction', 0):.0%})")
+              f"{eval_metrics.get('prompts')} prompts"
+              + (f", identical to target: {same:.0%})" if same is not None else ")"))
         if "random_acceptance_length" in eval_metrics:
             print(f"  random draft acceptance length {eval_metrics['random_acceptance_length']:.3f}")
     if "train" in by_name:

@@ -99,9 +99,10 @@ class ArtifactStore:
         artifact compute it once; the others wait here, then find it finished."""
         from filelock import FileLock, Timeout
 
-        folder = self.root / stage
+        # Locks live apart from the artifacts: a stage folder holds artifacts only.
+        folder = self.root / ".locks"
         folder.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(folder / f".lock-{key}"))
+        lock = FileLock(str(folder / f"{stage}-{key}.lock"))
         try:
             lock.acquire(timeout=0)
         except Timeout:

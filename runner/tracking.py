@@ -19,6 +19,10 @@ from typing import Any, Mapping
 
 log = logging.getLogger(__name__)
 
+# The user's own MLFLOW_TRACKING_URI, read before mlflow.set_tracking_uri (which exports the URI
+# it is given to the environment) could make one job's store look like the user's choice to the next.
+_USER_URI = os.environ.get("MLFLOW_TRACKING_URI")
+
 # MLflow limits: 6000 characters per param value, 100 params per batch call.
 _PARAM_MAX = 6000
 _BATCH = 100
@@ -38,9 +42,8 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def tracking_uri(configured: str | None, output_root: Path) -> str:
     if configured:
         return configured
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
+    if _USER_URI:
+        return _USER_URI
     return f"sqlite:///{(output_root / 'mlflow.db').resolve()}"
 
 
@@ -73,6 +76,11 @@ class Tracker:
     def end(self, status: str = "FINISHED") -> None:
         if self.mlflow.active_run() is not None:
             self.mlflow.end_run(status=status)
+        # Leave the environment as the user had it (child processes of later jobs inherit it).
+        if _USER_URI is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = _USER_URI
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         items = [(k, str(v)[:_PARAM_MAX]) for k, v in flatten(params).items()]

@@ -37,8 +37,7 @@ def sweep(tiny12_model_dir, chats_jsonl, tmp_path_factory):
            "data=local_file", f"data.source={chats_jsonl}", "data.num_samples=30", "data.max_seq_len=96",
            "data.min_assistant_tokens=4", "train.max_steps=3", "train.val_ratio=0.1", "train.epochs=1",
            "run.stages=[prepare,extract,vocab,train]", f"run.output_root={root}"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("EAGLE3_PARENT_RUN_ID", None)
+    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3_PARENT_RUN_ID", "MLFLOW_TRACKING_URI")}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root, proc.stdout
@@ -81,9 +80,32 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
 
 def test_report_prints_the_table_from_mlflow(sweep):
     root, _ = sweep
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     out = subprocess.run([sys.executable, "-m", "runner.report", "--output-root", str(root)], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+                         env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("sweep capture_x_vocab")
     assert sum(1 for l in lines if "[6, 9, 10, 12]" in l) == 3
+
+
+def test_a_failed_job_is_a_failed_child_and_the_parent_still_closes(tiny12_model_dir, chats_jsonl, tmp_path):
+    import mlflow
+
+    from runner.sweep import comparison_rows
+
+    cmd = [sys.executable, "-m", "runner", "-m", "train.draft_vocab_size=512,60000",  # 60000 > 49152: fails
+           "model=hf", f"model.source={tiny12_model_dir}", "model.name=tiny12",
+           "data=local_file", f"data.source={chats_jsonl}", "data.num_samples=20", "data.max_seq_len=96",
+           "data.min_assistant_tokens=4", "train.max_steps=2", "train.val_ratio=0.1",
+           "run.stages=[prepare,extract,vocab,train]", f"run.output_root={tmp_path}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3_PARENT_RUN_ID", "MLFLOW_TRACKING_URI")}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "train.draft_vocab_size" in proc.stderr
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("eagle3")
+    parent = client.search_runs([exp.experiment_id], filter_string="tags.`sweep.config` != ''")[0]
+    assert parent.info.status == "FAILED"
+    rows = comparison_rows(client, parent.info.run_id)
+    assert sorted(r["status"] for r in rows) == ["FAILED", "FINISHED"]
