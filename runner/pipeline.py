@@ -143,6 +143,7 @@ class Pipeline:
                 with self.store.lock(p.name, p.key):
                     art = self.store.get(p.name, p.key)
                     if art is not None and p.name not in self._forced():
+                        self._check_provenance(art)
                         log.info("[%s] cached: another job finished %s meanwhile", p.name, art.path)
                         status = "cached"
                     else:

@@ -109,3 +109,18 @@ def test_a_failed_job_is_a_failed_child_and_the_parent_still_closes(tiny12_model
     assert parent.info.status == "FAILED"
     rows = comparison_rows(client, parent.info.run_id)
     assert sorted(r["status"] for r in rows) == ["FAILED", "FINISHED"]
+
+
+def test_parallel_jobs_compute_each_shared_artifact_once(tiny12_model_dir, chats_jsonl, tmp_path):
+    """Four capture-layer jobs, two at a time through the joblib launcher: the lock per artifact
+    key lets one job compute prepare, extract and vocab while the other waits and reuses them."""
+    cmd = [sys.executable, "-m", "runner", "-m", "-cn", "capture_layers", "hydra/launcher=joblib",
+           "hydra.launcher.n_jobs=2", "model=hf", f"model.source={tiny12_model_dir}", "model.name=tiny12",
+           "data=local_file", f"data.source={chats_jsonl}", "data.num_samples=20", "data.max_seq_len=96",
+           "data.min_assistant_tokens=4", "train.max_steps=2", "train.val_ratio=0.1",
+           "run.stages=[prepare,extract,vocab,train]", f"run.output_root={tmp_path}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3_PARENT_RUN_ID", "MLFLOW_TRACKING_URI")}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    count = lambda stage: len([p for p in (tmp_path / "store" / stage).iterdir() if not p.name.startswith(".")])  # noqa: E731
+    assert (count("prepare"), count("extract"), count("vocab"), count("train")) == (1, 1, 1, 4)
