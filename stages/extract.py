@@ -18,7 +18,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 NAME = "extract"
 UPSTREAM = ("prepare",)
@@ -38,40 +38,55 @@ def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
 
 
 class LayerStats:
-    """Running per-slot statistics over real (unpadded) positions, in float64."""
+    """Running per-slot statistics over real (unpadded) positions.
+
+    Accumulators live on the device the states come from and are read once at the end, so
+    collecting them never stalls the GPU; each row is reduced as a view (no upcast copy of the
+    batch), in float32 per row and float64 across rows.
+    """
 
     def __init__(self, ids: tuple[int, ...]):
-        import torch
-
         self.ids = ids
-        n = len(ids)
         self.count = 0
-        self.sum = torch.zeros(n, dtype=torch.float64)
-        self.sumsq = torch.zeros(n, dtype=torch.float64)
-        self.maxabs = torch.zeros(n, dtype=torch.float64)
-        self.nonfinite = torch.zeros(n, dtype=torch.float64)
+        self._acc: dict[str, Any] | None = None
 
-    def update(self, hs: Any) -> None:
+    def _init(self, device: Any) -> dict[str, Any]:
         import torch
 
-        x = hs.double()  # [seq, slots, hidden]
-        finite = torch.isfinite(x)
-        self.nonfinite += (~finite).sum(dim=(0, 2)).double()
-        x = torch.where(finite, x, torch.zeros((), dtype=x.dtype))
-        self.count += x.shape[0] * x.shape[2]
-        self.sum += x.sum(dim=(0, 2))
-        self.sumsq += (x * x).sum(dim=(0, 2))
-        self.maxabs = torch.maximum(self.maxabs, x.abs().amax(dim=(0, 2)))
+        n = len(self.ids)
+        z = lambda: torch.zeros(n, dtype=torch.float64, device=device)  # noqa: E731
+        return {"sum": z(), "sumsq": z(), "max": torch.full((n,), float("-inf"), dtype=torch.float64, device=device),
+                "min": torch.full((n,), float("inf"), dtype=torch.float64, device=device), "nonfinite": z()}
+
+    def update_batch(self, stacked: Any, lengths: list[int]) -> None:
+        """Add a batch [batch, seq, slots, hidden] whose row r is real up to lengths[r]."""
+        import torch
+
+        acc = self._acc = self._acc or self._init(stacked.device)
+        for r, n in enumerate(lengths):
+            x = stacked[r, :n]  # [seq, slots, hidden], a view
+            s = x.sum(dim=(0, 2), dtype=torch.float32)
+            sq = torch.linalg.vector_norm(x, dim=(0, 2), dtype=torch.float32) ** 2
+            acc["sum"] += s.double()
+            acc["sumsq"] += sq.double()
+            acc["max"] = torch.maximum(acc["max"], x.amax(dim=(0, 2)).double())
+            acc["min"] = torch.minimum(acc["min"], x.amin(dim=(0, 2)).double())
+            # Non-finite values are rare; count them exactly (an extra pass) only when a row's sum says so.
+            bad = ~torch.isfinite(s + sq)
+            acc["nonfinite"] += torch.where(bad, (~torch.isfinite(x)).sum(dim=(0, 2)).double(), 0.0)
+            self.count += n * x.shape[2]
 
     def as_dict(self) -> dict[str, dict[str, float]]:
+        acc = {k: v.cpu() for k, v in (self._acc or self._init("cpu")).items()}
         out = {}
+        n = max(self.count, 1)
         for i, lid in enumerate(self.ids):
-            n = max(self.count, 1)
-            mean = self.sum[i].item() / n
-            ms = self.sumsq[i].item() / n
+            mean = acc["sum"][i].item() / n
+            ms = acc["sumsq"][i].item() / n
             out[f"layer_{lid}"] = {
                 "mean": mean, "std": max(ms - mean * mean, 0.0) ** 0.5, "rms": ms ** 0.5,
-                "max_abs": self.maxabs[i].item(), "nonfinite_fraction": self.nonfinite[i].item() / n,
+                "max_abs": max(abs(acc["max"][i].item()), abs(acc["min"][i].item())) if self.count else 0.0,
+                "nonfinite_fraction": acc["nonfinite"][i].item() / n,
             }
         return out
 
@@ -87,31 +102,36 @@ def write_sample(path: Path, hidden_states: Any, token_ids: Any) -> None:
 class TransformersBackend:
     """In-process Hugging Face forward with hooks on the text model's decoder layers."""
 
-    def __init__(self, cfg: Any, facts: Any):
-        import torch
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, model: Any, capture_ids: tuple[int, ...], num_layers: int, batch_size: int):
         from runner.adapters import decoder_layers, layout_from_model
         from runner.layer_ids import hook_point
 
-        hw = cfg.hardware
-        self.device = torch.device("cuda" if hw.device == "cuda" else "cpu")
-        self.dtype = getattr(torch, hw.dtype)
-        self.batch_size = hw.extract_batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(
-            facts.path, dtype=self.dtype, trust_remote_code=cfg.model.trust_remote_code
-        ).to(self.device).eval()
-        self.layers = decoder_layers(self.model, facts.num_layers)
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.batch_size = batch_size
+        self.layers = decoder_layers(self.model, num_layers)
         self.layout = layout_from_model(self.model)
-        self.ids = facts.extract_ids
+        self.ids = tuple(capture_ids)
         self._captured: dict[int, Any] = {}
         self._hooks = []
         for lid in self.ids:
-            where, i = hook_point(lid, facts.num_layers)
+            where, i = hook_point(lid, num_layers)
             if where == "pre":
                 self._hooks.append(self.layers[i].register_forward_pre_hook(self._pre_hook(lid), with_kwargs=True))
             else:
                 self._hooks.append(self.layers[i].register_forward_hook(self._post_hook(lid)))
+
+    @classmethod
+    def from_config(cls, cfg: Any, facts: Any) -> "TransformersBackend":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        hw = cfg.hardware
+        model = AutoModelForCausalLM.from_pretrained(
+            facts.path, dtype=getattr(torch, hw.dtype), trust_remote_code=cfg.model.trust_remote_code
+        ).to(torch.device("cuda" if hw.device == "cuda" else "cpu"))
+        return cls(model, facts.extract_ids, facts.num_layers, hw.extract_batch_size)
 
     def _pre_hook(self, lid: int):
         def hook(_module, args, kwargs):
@@ -149,7 +169,7 @@ class TransformersBackend:
             h.remove()
 
     def forward(self, batch_ids: list[Any]) -> Any:
-        """Stacked captures [batch, seq, slots, hidden] for right-padded rows."""
+        """Stacked captures [batch, seq, slots, hidden] on the model's device, rows right-padded."""
         import torch
 
         lengths = [len(x) for x in batch_ids]
@@ -162,17 +182,98 @@ class TransformersBackend:
         self._captured.clear()
         with torch.inference_mode():
             # logits_to_keep=1: the LM head over the whole vocab is not needed for extraction.
-            self.model(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
-                       use_cache=False, logits_to_keep=1)
-        return torch.stack([self._captured[lid] for lid in self.ids], dim=2)
+            self.model(input_ids=input_ids.to(self.device, non_blocking=True),
+                       attention_mask=attn.to(self.device, non_blocking=True), use_cache=False, logits_to_keep=1)
+            return torch.stack([self._captured[lid] for lid in self.ids], dim=2)
 
-    def iter_hidden_states(self, rows: Any, order: list[int]) -> Iterator[tuple[int, Any]]:
+    def iter_batches(self, rows: Sequence[Any], order: list[int], stats: "LayerStats | None" = None
+                     ) -> Iterator[tuple[list[int], list[int], Any, Any]]:
+        """(row indices, lengths, host tensor [batch, seq, slots, hidden], release) per batch;
+        the caller calls release() once nothing reads the host tensor any more.
+
+        On a GPU the device-to-host copy of batch i goes into pinned memory on a side stream while
+        batch i+1 computes; batch i is handed out only after batch i+1's forward is queued, so the
+        copy, the caller's file writing and the next forward overlap. Statistics are reduced on
+        the device, so only a few numbers per slot cross to the host for them.
+        """
+        import torch
+
+        cuda = self.device.type == "cuda"
+        side = torch.cuda.Stream() if cuda else None
+        free: list[Any] = []  # pinned host buffers, reused: pinning memory costs far more than copying into it
+        pending = None  # (idx, lengths, host, event, release)
         for start in range(0, len(order), self.batch_size):
             idx = order[start: start + self.batch_size]
-            ids = [rows[i]["input_ids"] for i in idx]
-            stacked = self.forward(ids).to("cpu", dtype=self.dtype)
-            for r, i in enumerate(idx):
-                yield i, stacked[r, : len(ids[r])]
+            ids = [rows[i] for i in idx]
+            lengths = [len(x) for x in ids]
+            stacked = self.forward(ids)
+            if stats is not None:
+                stats.update_batch(stacked, lengths)
+            if cuda:
+                buf = next((b for b in free if b.numel() >= stacked.numel()), None)
+                if buf is None:
+                    buf = torch.empty(stacked.numel(), dtype=stacked.dtype, pin_memory=True)
+                else:
+                    free.remove(buf)
+                host = buf[: stacked.numel()].view(stacked.shape)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    host.copy_(stacked, non_blocking=True)
+                    stacked.record_stream(side)
+                    event = torch.cuda.Event()
+                    event.record(side)
+                release = (lambda b=buf: free.append(b))
+            else:
+                host, event, release = stacked, None, (lambda: None)
+            if pending is not None:
+                yield self._finish(pending)
+            pending = (idx, lengths, host, event, release)
+        if pending is not None:
+            yield self._finish(pending)
+
+    @staticmethod
+    def _finish(pending: tuple) -> tuple[list[int], list[int], Any, Any]:
+        idx, lengths, host, event, release = pending
+        if event is not None:
+            event.synchronize()
+        return idx, lengths, host, release
+
+
+def extract_to_files(backend: Any, rows: Sequence[Any], out_dir: Path, stats: "LayerStats | None" = None,
+                     writers: int = 8, progress: bool = True) -> dict[str, float]:
+    """Run `backend` over `rows` (token id tensors), writing hs_{i}.safetensors for row i.
+
+    Rows go longest first (similar lengths share a batch: less padding); files are written by a
+    thread pool while the next batch computes, with at most a few batches in flight (bounded
+    host memory). Returns tokens, seconds and tokens per second.
+    """
+    from tqdm import tqdm
+
+    lengths = [len(r) for r in rows]
+    order = sorted(range(len(rows)), key=lambda i: -lengths[i])
+    total = sum(lengths)
+    t0 = time.time()
+    in_flight: list[tuple[list[Future], Any]] = []
+
+    def settle(batch: tuple[list[Future], Any]) -> None:
+        futures, release = batch
+        for f in futures:
+            f.result()
+        release()
+
+    with ThreadPoolExecutor(max_workers=writers) as pool, \
+            tqdm(total=total, desc="extract", unit="tok", unit_scale=True, disable=not progress) as bar:
+        for idx, lens, host, release in backend.iter_batches(rows, order, stats):
+            futures = [pool.submit(write_sample, out_dir / f"hs_{i}.safetensors", host[r, :n], rows[i])
+                       for r, (i, n) in enumerate(zip(idx, lens))]
+            in_flight.append((futures, release))
+            while len(in_flight) > 3:
+                settle(in_flight.pop(0))
+            bar.update(sum(lens))
+        for batch in in_flight:
+            settle(batch)
+    seconds = time.time() - t0
+    return {"tokens": float(total), "seconds": seconds, "tokens_per_s": total / seconds}
 
 
 BACKENDS = {"transformers": TransformersBackend}
@@ -181,7 +282,6 @@ BACKENDS = {"transformers": TransformersBackend}
 def run(ctx: Any) -> dict[str, Any]:
     import datasets
     import torch
-    from tqdm import tqdm
 
     cfg = ctx.cfg
     if cfg.hardware.cpu_threads:
@@ -191,46 +291,28 @@ def run(ctx: Any) -> dict[str, Any]:
         from runner.errors import ConfigError
 
         raise ConfigError("extract.backend", f"'{backend_name}' is not one of {sorted(BACKENDS)}")
-    rows = datasets.load_from_disk(str(ctx.inputs["prepare"].path / "dataset"))
-    rows.set_format("torch")
-    lengths = [int(x) for x in rows.with_format(None)["seq_len"]]
-    # Longest first: similar lengths share a batch (less padding) and memory peaks early.
-    order = sorted(range(len(rows)), key=lambda i: -lengths[i])
+    data = datasets.load_from_disk(str(ctx.inputs["prepare"].path / "dataset"))
+    rows = [torch.as_tensor(x, dtype=torch.long) for x in data.with_format(None)["input_ids"]]
     out_dir = ctx.out / "hidden_states"
     out_dir.mkdir()
     t_load = time.time()
-    backend = BACKENDS[backend_name](cfg, ctx.facts)
+    backend = BACKENDS[backend_name].from_config(cfg, ctx.facts)
     load_s = time.time() - t_load
-    selftest = backend.self_test(rows[order[-1]]["input_ids"]) if hasattr(backend, "self_test") else {}
+    shortest = min(range(len(rows)), key=lambda i: len(rows[i]))
+    selftest = backend.self_test(rows[shortest]) if hasattr(backend, "self_test") else {}
     log.info("extract self-test passed: %s", selftest)
     stats = LayerStats(ctx.facts.extract_ids)
-    total_tokens = sum(lengths)
-    t0 = time.time()
-    pending: list[Future] = []
-    # Files are written by a small thread pool while the next batch computes; the bound on
-    # pending writes caps host memory.
-    with ThreadPoolExecutor(max_workers=2) as pool, tqdm(total=total_tokens, desc="extract", unit="tok", unit_scale=True) as bar:
-        for i, hs in backend.iter_hidden_states(rows, order):
-            stats.update(hs)
-            token_ids = rows[i]["input_ids"]
-            if hs.shape[0] != token_ids.shape[0]:
-                raise RuntimeError(f"row {i}: captured {hs.shape[0]} positions for {token_ids.shape[0]} tokens")
-            pending.append(pool.submit(write_sample, out_dir / f"hs_{i}.safetensors", hs, token_ids))
-            if len(pending) > 4 * cfg.hardware.extract_batch_size:
-                pending.pop(0).result()
-            bar.update(int(hs.shape[0]))
-        for f in pending:
-            f.result()
+    timing = extract_to_files(backend, rows, out_dir, stats)
     backend.close()
-    seconds = time.time() - t0
     layer_stats = stats.as_dict()
     (ctx.out / "layer_stats.json").write_text(json.dumps(layer_stats, indent=2))
     # Which vLLM layer id each slot of the files holds (train selects its own from these).
     (ctx.out / "capture_ids.json").write_text(json.dumps(list(ctx.facts.extract_ids)))
     written = sum(p.stat().st_size for p in out_dir.iterdir())
+    total_tokens = int(timing["tokens"])
     return {
-        "samples": len(rows), "tokens": total_tokens, "tokens_per_s": total_tokens / seconds,
-        "model_load_s": load_s, "extract_s": seconds, "bytes": written,
+        "samples": len(rows), "tokens": total_tokens, "tokens_per_s": timing["tokens_per_s"],
+        "model_load_s": load_s, "extract_s": timing["seconds"], "bytes": written,
         "bytes_per_token": written / total_tokens, "slots": len(ctx.facts.extract_ids), **selftest,
         **{f"{layer}/{name}": v for layer, st in layer_stats.items() for name, v in st.items()},
     }

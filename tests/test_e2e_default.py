@@ -16,7 +16,7 @@ from tests.conftest import compose
 
 pytestmark = pytest.mark.e2e
 
-REDUCED = ["data.num_samples=48", "data.max_seq_len=256", "train.epochs=1",
+REDUCED = ["data.num_samples=48", "data.max_seq_len=256", "train.epochs=1", "train.log_freq=1",
            "eval.num_prompts=6", "eval.max_new_tokens=24", "eval.random_baseline=true"]
 
 

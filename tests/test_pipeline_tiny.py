@@ -23,7 +23,7 @@ def tiny_overrides(model_dir, data, root, *extra):
         "data=local_file", f"data.source={data}", "data.num_samples=40", "data.max_seq_len=96",
         "data.min_assistant_tokens=4",
         "train.draft_vocab_size=512", "train.max_steps=8", "train.epochs=1", "train.val_ratio=0.1",
-        "hardware.extract_batch_size=3", f"run.output_root={root}", STAGES_NO_EVAL, *extra,
+        "hardware.extract_batch_size=3", "train.log_freq=1", f"run.output_root={root}", STAGES_NO_EVAL, *extra,
     ]
 
 
@@ -183,7 +183,7 @@ def test_extraction_self_test_passed_and_catches_a_wrong_final_slot(first_run, t
     real = layer_ids.hook_point
     monkeypatch.setattr(layer_ids, "hook_point", lambda k, n: ("post", k - 2) if k == n else real(k, n))
     f, _, _ = resolve_facts(cfg, Path(OmegaConf.select(cfg, "run.output_root")))
-    backend = TransformersBackend(cfg, f)
+    backend = TransformersBackend.from_config(cfg, f)
     rows = datasets.load_from_disk(str(result["results"]["prepare"].path / "dataset")).with_format("torch")
     with pytest.raises(RuntimeError, match="self-test"):
         backend.self_test(rows[0]["input_ids"])
