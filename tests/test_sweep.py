@@ -29,16 +29,21 @@ def tiny12_model_dir(tmp_path_factory, smollm2_tokenizer):
     return out
 
 
+def run_sweep(model_dir, chats, root, *sweep_args, samples=20, steps=2):
+    """`python -m runner -m <sweep_args>` on the tiny model, in a fresh process as a user runs it."""
+    cmd = [sys.executable, "-m", "runner", "-m", *sweep_args,
+           "model=hf", f"model.source={model_dir}", "model.name=tiny12",
+           "data=local_file", f"data.source={chats}", f"data.num_samples={samples}", "data.max_seq_len=96",
+           "data.min_assistant_tokens=4", f"train.max_steps={steps}", "train.val_ratio=0.1", "train.epochs=1",
+           "run.stages=[prepare,extract,vocab,train]", f"run.output_root={root}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3_PARENT_RUN_ID", "MLFLOW_TRACKING_URI")}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+
+
 @pytest.fixture(scope="module")
 def sweep(tiny12_model_dir, chats_jsonl, tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep_out")
-    cmd = [sys.executable, "-m", "runner", "-m", "-cn", "capture_x_vocab",
-           "model=hf", f"model.source={tiny12_model_dir}", "model.name=tiny12",
-           "data=local_file", f"data.source={chats_jsonl}", "data.num_samples=30", "data.max_seq_len=96",
-           "data.min_assistant_tokens=4", "train.max_steps=3", "train.val_ratio=0.1", "train.epochs=1",
-           "run.stages=[prepare,extract,vocab,train]", f"run.output_root={root}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3_PARENT_RUN_ID", "MLFLOW_TRACKING_URI")}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    proc = run_sweep(tiny12_model_dir, chats_jsonl, root, "-cn", "capture_x_vocab", samples=30, steps=3)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root, proc.stdout
 
@@ -94,13 +99,8 @@ def test_a_failed_job_is_a_failed_child_and_the_parent_still_closes(tiny12_model
 
     from runner.sweep import comparison_rows
 
-    cmd = [sys.executable, "-m", "runner", "-m", "train.draft_vocab_size=512,60000",  # 60000 > 49152: fails
-           "model=hf", f"model.source={tiny12_model_dir}", "model.name=tiny12",
-           "data=local_file", f"data.source={chats_jsonl}", "data.num_samples=20", "data.max_seq_len=96",
-           "data.min_assistant_tokens=4", "train.max_steps=2", "train.val_ratio=0.1",
-           "run.stages=[prepare,extract,vocab,train]", f"run.output_root={tmp_path}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3_PARENT_RUN_ID", "MLFLOW_TRACKING_URI")}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    # 60000 > 49152: that job fails in its checks, the other trains.
+    proc = run_sweep(tiny12_model_dir, chats_jsonl, tmp_path, "train.draft_vocab_size=512,60000")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "train.draft_vocab_size" in proc.stderr
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -114,13 +114,8 @@ def test_a_failed_job_is_a_failed_child_and_the_parent_still_closes(tiny12_model
 def test_parallel_jobs_compute_each_shared_artifact_once(tiny12_model_dir, chats_jsonl, tmp_path):
     """Four capture-layer jobs, two at a time through the joblib launcher: the lock per artifact
     key lets one job compute prepare, extract and vocab while the other waits and reuses them."""
-    cmd = [sys.executable, "-m", "runner", "-m", "-cn", "capture_layers", "hydra/launcher=joblib",
-           "hydra.launcher.n_jobs=2", "model=hf", f"model.source={tiny12_model_dir}", "model.name=tiny12",
-           "data=local_file", f"data.source={chats_jsonl}", "data.num_samples=20", "data.max_seq_len=96",
-           "data.min_assistant_tokens=4", "train.max_steps=2", "train.val_ratio=0.1",
-           "run.stages=[prepare,extract,vocab,train]", f"run.output_root={tmp_path}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3_PARENT_RUN_ID", "MLFLOW_TRACKING_URI")}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_sweep(tiny12_model_dir, chats_jsonl, tmp_path, "-cn", "capture_layers", "hydra/launcher=joblib",
+                     "hydra.launcher.n_jobs=2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     count = lambda stage: len([p for p in (tmp_path / "store" / stage).iterdir() if not p.name.startswith(".")])  # noqa: E731
     assert (count("prepare"), count("extract"), count("vocab"), count("train")) == (1, 1, 1, 4)
