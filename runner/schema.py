@@ -56,6 +56,23 @@ class ModelConfig:
 
 
 @dataclass
+class VllmLaunchConfig:
+    # How the runner starts vLLM's OpenAI server. [] = this environment's
+    # `python -m vllm.entrypoints.openai.api_server`; or e.g. [/opt/vllm/bin/python, -m,
+    # vllm.entrypoints.openai.api_server] or a container command that ends in the server.
+    # The runner appends --model, --host 127.0.0.1, --port and the stage's flags.
+    command: list[str] = field(default_factory=list)
+    # Appended after the runner's own flags (e.g. [--max-num-seqs, "64"]).
+    extra_args: list[str] = field(default_factory=list)
+    # Set for the server only, on top of hardware.env.
+    env: dict[str, str] = field(default_factory=dict)
+    # Seconds from launch to a healthy server (a 1T-parameter target loads for tens of minutes).
+    ready_timeout_s: int = 900
+    # Seconds between SIGTERM and SIGKILL when the runner stops it.
+    stop_timeout_s: int = 60
+
+
+@dataclass
 class HardwareConfig:
     name: str = MISSING
     # "cpu" or "cuda".
@@ -78,6 +95,8 @@ class HardwareConfig:
     interconnect: str = "none"
     # Environment set for every stage and child process (NCCL variables and the like).
     env: dict[str, str] = field(default_factory=dict)
+    # The vLLM server the extract (backend vllm) and evaluate stages start.
+    vllm: VllmLaunchConfig = field(default_factory=VllmLaunchConfig)
 
 
 @dataclass
@@ -102,7 +121,14 @@ class DataConfig:
 @dataclass
 class ExtractConfig:
     # "transformers": in-process Hugging Face forward with hooks (small and medium targets).
+    # "vllm": a vLLM server the runner starts (extract_hidden_states method + hidden-states
+    # connector), driven by speculators' data-generation client (targets only an engine can hold).
     backend: str = "transformers"
+    # vLLM backend: requests in flight, seconds per request, and retries per sample before the
+    # stage fails naming it.
+    concurrency: int = 8
+    request_timeout_s: int = 600
+    max_retries: int = 3
     # Extract these presets' layers too (a sweep sets the union of its choices here, so that all
     # its jobs share one extraction and each trains on its own slots).
     superset_presets: list[str] = field(default_factory=list)
@@ -150,7 +176,7 @@ class EvalConfig:
     random_baseline: bool = False
     # Also serve the target alone: checks that greedy output is unchanged and measures the speed ratio.
     compare_target: bool = True
-    # Seconds allowed for the vLLM evaluation subprocess.
+    # Seconds allowed for generating all prompts on one vLLM server (start-up not included).
     timeout_s: int = 1800
 
 

