@@ -6,7 +6,8 @@ loads, printed as the run's plan.
 config key to change. The plan shows: stages to run or reuse, capture layers in both layer-id
 conventions, the draft's shape, hidden-state bytes per token and in total against free disk,
 teacher-logit memory, weights per GPU, tensor parallelism against GPU count and heads, experts,
-the vLLM version against what the target needs, and the environment that will be set.
+the vLLM version against what the target needs, whether vLLM's class for the target captures
+EAGLE-3 aux hidden states, and the environment that will be set.
 """
 
 from __future__ import annotations
@@ -75,6 +76,57 @@ def installed_vllm() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+_SUPPORT_PROBE = """
+import json, sys
+from vllm.model_executor.models import ModelRegistry
+from vllm.model_executor.models.interfaces import supports_eagle3
+arch = sys.argv[1]
+if arch not in ModelRegistry.get_supported_archs():
+    print(json.dumps({"known": False, "eagle3": False, "cls": None}))
+else:
+    cls = ModelRegistry._try_load_model_cls(arch)
+    print(json.dumps({"known": True, "eagle3": bool(cls and supports_eagle3(cls)),
+                      "cls": cls and f"{cls.__module__}.{cls.__qualname__}"}))
+"""
+
+
+def vllm_eagle3_support(architecture: str, version: str) -> dict[str, Any] | None:
+    """Does this vLLM's class for `architecture` implement SupportsEagle3 (aux hidden states)?
+
+    Asked in a child process (importing vLLM takes ~7 s and sets process-wide state) without
+    loading weights, and remembered per vLLM version in the user's cache. None if it could not be
+    asked (the answer is then reported as unchecked, not as a failure).
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3-runner" / "vllm-support.json"
+    key = f"{version}:{architecture}"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    try:
+        out = subprocess.run([sys.executable, "-c", _SUPPORT_PROBE, architecture], capture_output=True, text=True,
+                             timeout=300, check=True).stdout
+        answer = json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        return None
+    known[key] = answer
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return answer
 
 
 def _free_bytes(path: Path) -> int:
@@ -201,17 +253,37 @@ def build_plan(cfg: Any, facts: Any, layout: TargetLayout, config: dict[str, Any
         plan.warn("hardware.gpu_memory_gib", f"weights take {per_gpu / (hw.gpu_memory_gib * GiB):.0%} of each GPU: "
                                              "little room for KV cache")
 
-    # Engine
+    # Engine: every stage that starts a vLLM server needs it, and needs the target's vLLM class to
+    # capture EAGLE-3 aux hidden states; found out here, not after a half-hour load.
     need_vllm = MIN_VLLM.get(layout.architecture, MIN_VLLM_DEFAULT)
-    have = installed_vllm()
-    plan.add("vLLM", f"installed {have or 'none'}; {layout.architecture} needs >= {need_vllm} for EAGLE-3 "
-                     "extraction and serving")
-    if "evaluate" in cfg.run.stages:
-        if have is None:
-            plan.error("run.stages", "evaluate needs vLLM, which is not installed (make setup installs it); "
-                                     "or drop evaluate from run.stages")
-        elif _version_tuple(have) < _version_tuple(need_vllm):
+    users = [s for s in ("extract", "evaluate") if s in cfg.run.stages and (s == "evaluate" or cfg.extract.backend == "vllm")]
+    custom = list(hw.vllm.command)
+    if custom:
+        plan.add("vLLM", f"launched as {' '.join(custom)} (hardware.vllm.command): version and model class not "
+                         f"checked here; {layout.architecture} needs >= {need_vllm}")
+    else:
+        have = installed_vllm()
+        plan.add("vLLM", f"installed {have or 'none'}; {layout.architecture} needs >= {need_vllm} for EAGLE-3 "
+                         f"extraction and serving; started by {', '.join(users) or 'no stage of this run'}")
+        if users and have is None:
+            plan.error("run.stages", f"{' and '.join(users)} need vLLM, which is not installed (make setup installs "
+                                     "it); or drop them from run.stages / use extract.backend=transformers")
+        elif users and _version_tuple(have) < _version_tuple(need_vllm):
             plan.error("run.stages", f"vLLM {have} is older than {need_vllm}, which {layout.architecture} needs")
+        elif users:
+            support = vllm_eagle3_support(layout.architecture, have)
+            if support is None:
+                plan.warn("run.stages", f"could not ask vLLM {have} whether {layout.architecture} supports EAGLE-3")
+            elif not support["known"]:
+                plan.error("model.architecture", f"vLLM {have} has no model class for {layout.architecture}; "
+                                                 f"{' and '.join(users)} cannot serve it")
+            elif not support["eagle3"]:
+                plan.error("model.architecture",
+                           f"vLLM {have}'s {support['cls']} does not implement SupportsEagle3 (no EAGLE-3 aux "
+                           f"hidden states), so {' and '.join(users)} cannot capture or serve with a draft; "
+                           "use a target class that does, or another vLLM (hardware.vllm.command)")
+            else:
+                plan.add("vLLM class", f"{support['cls']}: SupportsEagle3")
     env = dict(hw.env)
     plan.add("environment", ", ".join(f"{k}={v}" for k, v in env.items()) or "(none)")
     if hw.device == "cuda" and not Path("/dev/nvidia0").exists():

@@ -23,6 +23,7 @@ SIGTERM included; the kernel also signals it if the runner itself dies.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import json
 import logging
@@ -136,6 +137,7 @@ class VllmServer:
         assert self._proc is not None and self._proc.stdout is not None
         for raw in iter(self._proc.stdout.readline, b""):
             self._logf.write(raw)
+            self._logf.flush()  # users (and `tail -f`) read the log while the server runs
             line = raw.decode(errors="replace").rstrip()
             self._tail.append(line)
             if not self._ready.is_set() or any(w in line for w in _ECHO_AFTER_READY):
@@ -217,6 +219,20 @@ class VllmServer:
     def _tail_text(self, n: int = 40) -> str:
         lines = list(self._tail)[-n:]
         return f"last {len(lines)} lines of {self.log_path}:\n" + "\n".join(lines)
+
+
+@contextlib.contextmanager
+def quiet_http_logs():
+    """HTTP clients log every request at INFO: thousands of lines that would hide the progress."""
+    loggers = [logging.getLogger(n) for n in ("httpx", "httpx2", "openai")]
+    levels = [q.level for q in loggers]
+    for q in loggers:
+        q.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for q, level in zip(loggers, levels):
+            q.setLevel(level)
 
 
 def _raise_system_exit(signum: int, _frame: Any) -> None:

@@ -1,12 +1,15 @@
 """Stage `evaluate`: measured acceptance of the trained draft under real speculative decoding.
 
 Run alone: `python -m runner run.stages=[evaluate]` (needs train in the store).
-vLLM serves the target greedily on held-out prompts (MT-bench by default) three ways, each in its
-own child process (`stages.vllm_generate`): with the trained draft (k speculative tokens), without
-a draft (the target's own greedy output and speed), and optionally with a randomly initialised
-draft of the same shape (`eval.random_baseline`). Reports mean acceptance length
-(1 + accepted / drafts), per-position acceptance, whether every output equals the target's own,
-the speed ratio, and beside them the teacher-forced accuracies from training.
+The runner starts a vLLM server (runner/vllm_server.py, launched as `hardware.vllm` says) that
+serves the target greedily on held-out prompts (MT-bench by default), one server per setting: with
+the trained draft as an EAGLE-3 speculator (k speculative tokens), without a draft (the target's
+own greedy output and speed), and optionally with a randomly initialised draft of the same shape
+(`eval.random_baseline`). Acceptance comes from the server's Prometheus counters (/metrics:
+drafts, draft tokens, accepted tokens, accepted per position), read before and after the prompts.
+Reports mean acceptance length (1 + accepted / drafts), per-position acceptance, whether every
+output equals the target's own, the speed ratio, and beside them the teacher-forced accuracies
+from training.
 Writes `eval_table.json` (one row per prompt), `summary.json` and the vLLM logs.
 """
 
@@ -14,14 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import threading
+import time
 from pathlib import Path
 from typing import Any
+
+from runner.errors import StageError
+from runner.vllm_server import VllmServer, counters_delta, quiet_http_logs
 
 NAME = "evaluate"
 UPSTREAM = ("train",)
@@ -40,55 +42,72 @@ def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
             "dtype": cfg.hardware.dtype}
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+def server_args(cfg: Any, draft: Path | None) -> list[str]:
+    """Flags for an evaluation server: the target, plus the draft as an EAGLE-3 speculator."""
+    hw, e = cfg.hardware, cfg.eval
+    args = ["--dtype", hw.dtype, "--max-model-len", str(e.max_model_len),
+            "--tensor-parallel-size", str(hw.tensor_parallel_size), "--seed", "0",
+            "--gpu-memory-utilization", str(hw.vllm_memory_utilization), "--disable-uvicorn-access-log"]
+    if hw.vllm_kv_cache_gib:
+        args += ["--kv-cache-memory-bytes", str(int(hw.vllm_kv_cache_gib * (1 << 30)))]
+    if hw.device == "cpu":
+        args.append("--enforce-eager")  # CUDA graphs and torch.compile only add start-up time on CPU
+    if cfg.model.trust_remote_code:
+        args.append("--trust-remote-code")
+    if draft is not None:
+        args += ["--speculative-config", json.dumps(
+            {"method": "eagle3", "model": str(draft), "num_speculative_tokens": e.num_speculative_tokens})]
+    return args
 
 
-def _run_vllm(request: dict, workdir: Path, label: str, cfg: Any, log_dir: Path) -> dict:
-    req_path = workdir / f"{label}_request.json"
-    res_path = workdir / f"{label}_result.json"
-    req_path.write_text(json.dumps(request))
-    env = {**os.environ, **{k: str(v) for k, v in cfg.hardware.env.items()}}
-    log_path = log_dir / f"vllm_{label}.log"
-    log.info("[evaluate] vLLM %s run on %d prompts (its log: logs/%s)", label, len(request["prompts"]), log_path.name)
-    # The child's output goes to its log file and, line by line, to the console: vLLM's own
-    # progress bars are the progress of this stage.
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "stages.vllm_generate", str(req_path), str(res_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-            cwd=Path(__file__).resolve().parent.parent,
-            start_new_session=True,  # its own process group: vLLM's engine processes go with it
-        )
-        assert proc.stdout is not None
+async def _generate_all(server: VllmServer, prompts: list[str], cfg: Any) -> list[Any]:
+    """Every prompt at once (the server batches them), greedy, with the generated token ids."""
+    import asyncio
 
-        def copy_output() -> None:
-            for line in iter(proc.stdout.readline, b""):
-                logf.write(line)
-                sys.stdout.write(line.decode(errors="replace"))
-                sys.stdout.flush()
+    import openai
 
-        reader = threading.Thread(target=copy_output, daemon=True)
-        reader.start()
-        rc: int | str
+    e = cfg.eval
+    async with openai.AsyncOpenAI(base_url=server.url, api_key="EMPTY", max_retries=0) as client:
+        async def one(i: int, prompt: str) -> Any:
+            try:
+                return await client.chat.completions.create(
+                    model=server.model_id, messages=[{"role": "user", "content": prompt}], temperature=0.0,
+                    max_tokens=e.max_new_tokens, seed=0, extra_body={"return_token_ids": True})
+            except Exception as exc:
+                server.check_alive()
+                raise StageError(f"evaluation request for prompt {i} failed: {type(exc).__name__}: {exc}") from None
+
         try:
-            rc = proc.wait(timeout=cfg.eval.timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            rc = "timeout"
-        except BaseException:
-            _kill_group(proc)  # Ctrl-C or any failure here must not leave vLLM running
-            raise
-        reader.join(timeout=10)
-    if rc != 0 or not res_path.exists():
-        tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"vLLM {label} run failed ({rc}); eval.timeout_s={cfg.eval.timeout_s}. "
-                           f"Last lines of {log_path}:\n{tail}")
-    return json.loads(res_path.read_text())
+            async with asyncio.timeout(e.timeout_s):
+                return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        except TimeoutError:
+            raise StageError(f"generating {len(prompts)} prompts took longer than eval.timeout_s={e.timeout_s}") from None
+
+
+def _serve(cfg: Any, facts: Any, draft: Path | None, prompts: list[str], label: str, logs: Path) -> dict:
+    """Start a server for the target (with `draft` if given), generate, read its counters, stop it."""
+    import asyncio
+
+    log.info("[evaluate] %s: %d prompts on a vLLM server (its log: logs/vllm_%s.log)", label, len(prompts), label)
+    server = VllmServer.from_config(cfg, facts.path, server_args(cfg, draft), logs / f"vllm_{label}.log",
+                                    label=f"evaluate:{label}")
+    with server:
+        before = server.spec_decode_counters()
+        t0 = time.time()
+        with quiet_http_logs():
+            outs = asyncio.run(_generate_all(server, prompts, cfg))
+        gen_s = time.time() - t0
+        # Counters are cumulative since start; the difference is exactly these prompts.
+        counters = counters_delta(server.spec_decode_counters(), before) if draft is not None else None
+    if counters is not None and counters["drafts"] == 0:
+        raise StageError(f"vLLM served the draft but counted no speculative drafts; see {server.log_path}")
+    return {
+        "init_s": server.start_s, "generate_s": gen_s,
+        "token_ids": [list(o.choices[0].token_ids or []) for o in outs],
+        "texts": [o.choices[0].message.content or "" for o in outs],
+        "prompt_tokens": [o.usage.prompt_tokens for o in outs],
+        "counters": counters,
+    }
 
 
 def _random_draft(train_manifest: dict, dest: Path) -> Path:
@@ -155,23 +174,15 @@ def run(ctx: Any) -> dict[str, Any]:
     work.mkdir(parents=True)
     logs = ctx.out / "logs"
     logs.mkdir()
-    base_req = {
-        "model": ctx.facts.path, "dtype": cfg.hardware.dtype, "max_model_len": e.max_model_len,
-        "tensor_parallel_size": cfg.hardware.tensor_parallel_size, "prompts": prompts,
-        "max_new_tokens": e.max_new_tokens, "k": e.num_speculative_tokens,
-        "memory_utilization": cfg.hardware.vllm_memory_utilization, "kv_cache_gib": cfg.hardware.vllm_kv_cache_gib,
-        "trust_remote_code": cfg.model.trust_remote_code,
-        # CUDA graphs and torch.compile pay off on long GPU runs; on CPU they only add start-up time.
-        "enforce_eager": cfg.hardware.device == "cpu",
-    }
-    spec = _run_vllm({**base_req, "draft": str(draft)}, work, "draft", cfg, logs)
+    spec = _serve(cfg, ctx.facts, draft, prompts, "draft", logs)
     metrics = acceptance(spec["counters"])
     new_tokens = sum(len(t) for t in spec["token_ids"])
     metrics.update({"prompts": len(prompts), "generated_tokens": new_tokens,
-                    "spec_tokens_per_s": new_tokens / spec["generate_s"], "vllm_init_s": spec["init_s"]})
+                    "spec_tokens_per_s": new_tokens / spec["generate_s"], "vllm_init_s": spec["init_s"],
+                    "server_start_s": spec["init_s"]})
     identical: list[bool | None] = [None] * len(prompts)
     if e.compare_target:
-        target = _run_vllm({**base_req, "draft": None}, work, "target", cfg, logs)
+        target = _serve(cfg, ctx.facts, None, prompts, "target", logs)
         identical = [a == b for a, b in zip(spec["token_ids"], target["token_ids"])]
         metrics["identical_to_target_fraction"] = sum(identical) / len(identical)
         metrics["target_tokens_per_s"] = sum(len(t) for t in target["token_ids"]) / target["generate_s"]
@@ -183,7 +194,7 @@ def run(ctx: Any) -> dict[str, Any]:
                         len(bad), len(identical), bad[:10])
     if e.random_baseline:
         rand = _random_draft(train_art.manifest, work / "random_draft")
-        rnd = _run_vllm({**base_req, "draft": str(rand)}, work, "random_draft", cfg, logs)
+        rnd = _serve(cfg, ctx.facts, rand, prompts, "random_draft", logs)
         for k, v in acceptance(rnd["counters"]).items():
             metrics[f"random_{k}"] = v
     metrics.update(teacher_forced(train_art.manifest.get("metrics", {}), e.num_speculative_tokens))

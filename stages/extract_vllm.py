@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from runner.errors import StageError
-from runner.vllm_server import ServerError, VllmServer
+from runner.vllm_server import VllmServer, quiet_http_logs
 
 log = logging.getLogger("runner")
 _SKIPPED = re.compile(r"Skipping sample (\d+) due to error: (.*)")
@@ -80,19 +80,15 @@ def _run_client(server: VllmServer, requests_dir: Path, out_dir: Path, cfg: Any,
     rec = _SkipRecorder()
     speculators_log = logging.getLogger("speculators.cli.generate_offline_data")
     speculators_log.addHandler(rec)
-    # The HTTP client logs every request at INFO: thousands of lines that hide the progress bar.
-    quiet = [logging.getLogger(n) for n in ("httpx", "httpx2", "openai")]
-    levels = [q.level for q in quiet]
-    for q in quiet:
-        q.setLevel(logging.WARNING)
     try:
-        generate_offline_data(
-            model=server.model_id, endpoint=server.url, preprocessed_data=str(requests_dir), output=str(out_dir),
-            max_samples=max_samples, concurrency=e.concurrency, validate_outputs=True,
-            request_timeout=e.request_timeout_s, max_retries=e.max_retries, fail_on_error=False,
-            # The runner decides what failing means (any sample missing); let the client finish.
-            max_consecutive_errors=10**9, world_size=1, rank=0,
-        )
+        with quiet_http_logs():
+            generate_offline_data(
+                model=server.model_id, endpoint=server.url, preprocessed_data=str(requests_dir),
+                output=str(out_dir), max_samples=max_samples, concurrency=e.concurrency, validate_outputs=True,
+                request_timeout=e.request_timeout_s, max_retries=e.max_retries, fail_on_error=False,
+                # The runner decides what failing means (any sample missing); let the client finish.
+                max_consecutive_errors=10**9, world_size=1, rank=0,
+            )
     except SystemExit as exc:
         if exc.code == 130:
             raise KeyboardInterrupt from None
@@ -101,8 +97,6 @@ def _run_client(server: VllmServer, requests_dir: Path, out_dir: Path, cfg: Any,
                          f"and {server.log_path}") from None
     finally:
         speculators_log.removeHandler(rec)
-        for q, level in zip(quiet, levels):
-            q.setLevel(level)
     return rec.failed
 
 

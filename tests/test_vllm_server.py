@@ -1,0 +1,133 @@
+"""The managed vLLM server's life cycle: ready, logged, stopped with everything it started, and
+failures that end with the reason and the log's tail instead of a hang.
+
+The first tests launch a stand-in through `hardware.vllm.command` (the knob users point at another
+install or a container): a small HTTP server that also starts a child, so that "no orphans" can be
+checked in seconds. The last launches the real vLLM with a flag it rejects.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from runner.vllm_server import ServerError, VllmServer, spec_decode_counters
+from tests.conftest import compose
+
+# Serves /health and /v1/models after `delay` seconds, or exits with `code`; starts a grandchild
+# (like vLLM's engine process) and prints the pids.
+STAND_IN = r"""
+import http.server, json, subprocess, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+mode = sys.argv[1]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(f"pids {__import__('os').getpid()} {child.pid}", flush=True)
+if mode.startswith("exit"):
+    print("boom: engine core failed to start", flush=True)
+    sys.exit(int(mode[4:]))
+if mode == "hang":
+    time.sleep(600)
+time.sleep(1)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"{}" if self.path == "/health" else json.dumps({"data": [{"id": "stand-in"}]}).encode()
+        self.send_response(200); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): print("GET", self.path, flush=True)
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def _server(tmp_path, mode: str, timeout_s: int = 60) -> VllmServer:
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    cfg = compose([f"hardware.vllm.command=[{sys.executable},{script},{mode}]",
+                   f"hardware.vllm.ready_timeout_s={timeout_s}", "hardware.vllm.stop_timeout_s=5"])
+    return VllmServer.from_config(cfg, "/models/target", ["--dtype", "bfloat16"], tmp_path / "logs" / "vllm.log",
+                                  label="test")
+
+
+def _pids(server: VllmServer) -> list[int]:
+    for _ in range(100):
+        for line in server.log_path.read_text().splitlines():
+            if line.startswith("pids "):
+                return [int(p) for p in line.split()[1:]]
+        time.sleep(0.05)
+    raise AssertionError("stand-in never printed its pids")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited; only its parent's wait is pending.
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_server_is_ready_logged_and_stopped_with_its_children(tmp_path):
+    server = _server(tmp_path, "serve")
+    with server:
+        assert server.model_id == "stand-in" and server.start_s is not None and server.start_s < 30
+        pids = _pids(server)
+        assert all(_alive(p) for p in pids)
+        assert "--model /models/target --host 127.0.0.1 --port" in server.log_path.read_text()
+    assert not any(_alive(p) for p in pids), "the server or its child outlived the runner's stop"
+
+
+def test_server_stops_when_the_stage_fails(tmp_path):
+    server = _server(tmp_path, "serve")
+    with pytest.raises(RuntimeError, match="stage failed"):
+        with server:
+            pids = _pids(server)
+            raise RuntimeError("stage failed")
+    assert not any(_alive(p) for p in pids)
+
+
+def test_a_server_that_exits_reports_its_code_and_log(tmp_path):
+    server = _server(tmp_path, "exit3")
+    with pytest.raises(ServerError) as err:
+        with server:
+            pass
+    assert "exited with code 3" in str(err.value) and "boom: engine core failed" in str(err.value)
+
+
+def test_a_server_that_never_becomes_ready_times_out_and_is_killed(tmp_path):
+    server = _server(tmp_path, "hang", timeout_s=3)
+    t0 = time.time()
+    with pytest.raises(ServerError, match=r"not ready after 3 s \(hardware.vllm.ready_timeout_s\)"):
+        with server:
+            pass
+    assert time.time() - t0 < 20
+    assert not any(_alive(p) for p in _pids(server))
+
+
+def test_real_vllm_rejecting_a_flag_fails_with_its_message(tmp_path):
+    cfg = compose(["hardware.vllm.extra_args=[--max-model-len,not-a-number]"])
+    server = VllmServer.from_config(cfg, str(tmp_path), [], tmp_path / "vllm.log", label="test")
+    with pytest.raises(ServerError) as err:
+        with server:
+            pass
+    text = str(err.value)
+    assert "exited with code" in text and "max-model-len" in text and str(tmp_path / "vllm.log") in text
+
+
+def test_spec_decode_counters_sum_engines_and_positions():
+    # The exposition format vLLM's Prometheus endpoint writes (two engines, three positions).
+    text = "\n".join([
+        "# TYPE vllm:spec_decode_num_drafts counter",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0',
+        "# TYPE vllm:spec_decode_num_draft_tokens counter",
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 45.0',
+        "# TYPE vllm:spec_decode_num_accepted_tokens counter",
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 9.0',
+        "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter",
+        *[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{e}",model_name="m",position="{p}"}} {v}'
+          for e, vals in ((0, (4, 2, 1)), (1, (1, 1, 0))) for p, v in enumerate(vals)],
+    ]) + "\n"
+    c = spec_decode_counters(text)
+    assert c == {"drafts": 15, "draft_tokens": 45, "accepted": 9, "accepted_per_pos": [5, 3, 1]}
