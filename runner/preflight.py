@@ -194,8 +194,13 @@ def build_plan(cfg: Any, facts: Any, layout: TargetLayout, config: dict[str, Any
     ext = list(facts.extract_ids)
     if ext != ids:
         plan.add("extracted (shared)", f"{ext}: the sweep's union; this job trains on slots {list(facts.train_slots)}")
-    hooks = [f"{w}:{i}" for w, i in (hook_point(k, n) for k in ext)]
-    plan.add("transformers hooks", ", ".join(hooks))
+    if cfg.extract.backend == "vllm":
+        plan.add("extract backend", f"vLLM server, extract_hidden_states with eagle_aux_hidden_state_layer_ids "
+                                    f"{ext}, chunked prefill and prefix caching off, {cfg.extract.concurrency} "
+                                    f"requests in flight, {cfg.extract.max_retries} retries per sample")
+    else:
+        hooks = [f"{w}:{i}" for w, i in (hook_point(k, n) for k in ext)]
+        plan.add("transformers hooks", ", ".join(hooks))
 
     # Draft
     h, vd = layout.hidden_size, t.draft_vocab_size

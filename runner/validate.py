@@ -151,6 +151,16 @@ def check_declared(cfg: Any) -> None:
                           f"{hw.tensor_parallel_size} exceeds hardware.num_gpus={hw.num_gpus}")
     if hw.extract_batch_size < 1:
         raise ConfigError("hardware.extract_batch_size", "must be >= 1")
+    x = cfg.extract
+    if x.backend not in ("transformers", "vllm"):
+        raise ConfigError("extract.backend", f"'{x.backend}' is not transformers or vllm")
+    for name in ("concurrency", "request_timeout_s"):
+        if x[name] < 1:
+            raise ConfigError(f"extract.{name}", "must be >= 1")
+    if x.max_retries < 0:
+        raise ConfigError("extract.max_retries", "must be >= 0")
+    if hw.vllm.ready_timeout_s < 1:
+        raise ConfigError("hardware.vllm.ready_timeout_s", "must be >= 1")
     d = cfg.data
     if d.num_samples < 1:
         raise ConfigError("data.num_samples", "must be >= 1")

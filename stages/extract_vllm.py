@@ -114,11 +114,12 @@ def extract(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: Any) -> dict[st
     shutil.rmtree(requests_dir, ignore_errors=True)
     for d in (done_dir, staging):
         d.mkdir(parents=True, exist_ok=True)
-    before = {p.name for p in done_dir.glob("hs_*.safetensors")}
-    resumed = len(before)
-    if resumed:
-        log.info("[extract] resuming: %d sample files from an earlier run in %s (unreadable ones are redone)",
-                 resumed, done_dir)
+    present = sorted(int(p.stem[3:]) for p in done_dir.glob("hs_*.safetensors") if p.stem[3:].isdigit())
+    unreadable = find_corrupt_hidden_state_indices(done_dir, present)
+    before = {f"hs_{i}.safetensors" for i in present if i not in unreadable}
+    if present:
+        log.info("[extract] resuming from %s: %d readable sample files kept, %d unreadable ones redone",
+                 done_dir, len(before), len(unreadable))
 
     import datasets
 
@@ -133,8 +134,8 @@ def extract(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: Any) -> dict[st
         first = done_dir / "hs_0.safetensors"
         if failed or not first.exists():
             server.check_alive()
-            raise StageError(f"vLLM extraction of sample 0 failed: {failed.get(0, 'no file written')}; "
-                             f"see {server.log_path}")
+            raise StageError(f"vLLM extraction failed for sample 0 after {cfg.extract.max_retries} retries "
+                             f"(extract.max_retries): {failed.get(0, 'no file written')}; see {server.log_path}")
         got = load_file(str(first))["hidden_states"].shape
         want = (len(rows[0]), len(facts.extract_ids))
         if tuple(got[:2]) != want:
@@ -176,4 +177,4 @@ def extract(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: Any) -> dict[st
     fresh = sum(len(r) for i, r in enumerate(rows) if i > 0 and f"hs_{i}.safetensors" not in before)
     return {"tokens": float(sum(len(r) for r in rows)), "seconds": seconds,
             "tokens_per_s": fresh / seconds if seconds > 0 else float("nan"),
-            "server_start_s": start_s, "resumed_samples": resumed}
+            "server_start_s": start_s, "resumed_samples": len(before), "redone_unreadable": len(unreadable)}

@@ -89,6 +89,9 @@ def test_wrong_type_is_rejected_with_its_name():
     (["train.val_ratio=1.5"], "train.val_ratio"),
     (["train.total_seq_len=128"], "train.total_seq_len"),
     (["hardware=gpu1", "hardware.tensor_parallel_size=2"], "hardware.tensor_parallel_size"),
+    (["extract.backend=sglang"], "extract.backend"),
+    (["extract=vllm", "extract.concurrency=0"], "extract.concurrency"),
+    (["hardware.vllm.ready_timeout_s=0"], "hardware.vllm.ready_timeout_s"),
 ])
 def test_impossible_values_fail_before_anything_loads(overrides, key):
     cfg = compose(overrides)

@@ -77,3 +77,25 @@ def test_default_speculators_layers_collide_on_a_four_layer_model(tmp_path, tiny
         run_job(compose(["model=hf", f"model.source={tiny_model_dir}", "model.name=tiny", "train.draft_vocab_size=512",
                          "run.plan_only=true", f"run.output_root={tmp_path}"]))
     assert info.value.key == "model.capture_layers"
+
+
+def test_a_target_class_without_eagle3_support_in_vllm_is_refused(tmp_path, smollm2_tokenizer):
+    # vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3: extraction through vLLM and
+    # serving with a draft cannot work, and preflight says so before any weight loads.
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    target = tmp_path / "gemma3"
+    Gemma3ForCausalLM(cfg).save_pretrained(target)
+    smollm2_tokenizer.save_pretrained(target)
+    base = ["model=hf", f"model.source={target}", "model.name=g3", "model.capture_layers=[1,2,3]",
+            "train.draft_vocab_size=512", "run.plan_only=true", f"run.output_root={tmp_path}"]
+    with pytest.raises(ConfigError) as info:
+        run_job(compose([*base, "extract=vllm"]))
+    assert info.value.key == "model.architecture"
+    assert "Gemma3ForCausalLM" in info.value.message and "SupportsEagle3" in info.value.message
+    # Without vLLM stages the same target plans fine (transformers extraction, training only).
+    assert not run_job(compose([*base, "run.stages=[prepare,extract,vocab,train]"]))["plan"].errors
