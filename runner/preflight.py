@@ -79,16 +79,19 @@ def installed_vllm() -> str | None:
 
 
 _SUPPORT_PROBE = """
-import json, sys
+import importlib.util, inspect, json, sys
+from vllm.config import speculative
 from vllm.model_executor.models import ModelRegistry
 from vllm.model_executor.models.interfaces import supports_eagle3
 arch = sys.argv[1]
+extract = ("extract_hidden_states" in inspect.getsource(speculative) and importlib.util.find_spec(
+    "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector") is not None)
 if arch not in ModelRegistry.get_supported_archs():
-    print(json.dumps({"known": False, "eagle3": False, "cls": None}))
+    print(json.dumps({"known": False, "eagle3": False, "cls": None, "extract": extract}))
 else:
     cls = ModelRegistry._try_load_model_cls(arch)
     print(json.dumps({"known": True, "eagle3": bool(cls and supports_eagle3(cls)),
-                      "cls": cls and f"{cls.__module__}.{cls.__qualname__}"}))
+                      "cls": cls and f"{cls.__module__}.{cls.__qualname__}", "extract": extract}))
 """
 
 
@@ -105,7 +108,7 @@ def vllm_eagle3_support(architecture: str, version: str) -> dict[str, Any] | Non
     import sys
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3-runner" / "vllm-support.json"
-    key = f"{version}:{architecture}"
+    key = f"{version}:{architecture}:2"
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
@@ -287,6 +290,9 @@ def build_plan(cfg: Any, facts: Any, layout: TargetLayout, config: dict[str, Any
                            f"vLLM {have}'s {support['cls']} does not implement SupportsEagle3 (no EAGLE-3 aux "
                            f"hidden states), so {' and '.join(users)} cannot capture or serve with a draft; "
                            "use a target class that does, or another vLLM (hardware.vllm.command)")
+            elif "extract" in users and not support.get("extract"):
+                plan.error("extract.backend", f"vLLM {have} lacks the extract_hidden_states speculative method or "
+                                              "its hidden-states connector; use extract=transformers or a newer vLLM")
             else:
                 plan.add("vLLM class", f"{support['cls']}: SupportsEagle3")
     env = dict(hw.env)

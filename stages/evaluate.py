@@ -99,11 +99,15 @@ def _serve(cfg: Any, facts: Any, draft: Path | None, prompts: list[str], label: 
         gen_s = time.time() - t0
         # Counters are cumulative since start; the difference is exactly these prompts.
         counters = counters_delta(server.spec_decode_counters(), before) if draft is not None else None
+    if any(o.choices[0].token_ids is None for o in outs):
+        # Without them "identical to the target" would compare empty lists.
+        raise StageError("vLLM returned no generated token ids (request field return_token_ids); this vLLM is too "
+                         "old for the evaluation, see hardware.vllm.command")
     if counters is not None and counters["drafts"] == 0:
         raise StageError(f"vLLM served the draft but counted no speculative drafts; see {server.log_path}")
     return {
         "init_s": server.start_s, "generate_s": gen_s,
-        "token_ids": [list(o.choices[0].token_ids or []) for o in outs],
+        "token_ids": [list(o.choices[0].token_ids) for o in outs],
         "texts": [o.choices[0].message.content or "" for o in outs],
         "prompt_tokens": [o.usage.prompt_tokens for o in outs],
         "counters": counters,

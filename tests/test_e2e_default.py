@@ -78,6 +78,12 @@ def test_acceptance_is_measured_by_vllm(runs):
     # Speculation must not change greedy output; bf16 ties may flip a rare token.
     assert m["identical_to_target_fraction"] >= 0.5
     assert "teacher_forced_acceptance_length" in m
+    # Three servers (draft, target, random draft), each started, logged and stopped by the runner.
+    logs = first["results"]["evaluate"].path / "logs"
+    for label in ("draft", "target", "random_draft"):
+        text = (logs / f"vllm_{label}.log").read_text()
+        assert "vllm.entrypoints.openai.api_server" in text.splitlines()[0]
+    assert 0 < m["server_start_s"] < 600
 
 
 def test_mlflow_run_holds_everything(runs):

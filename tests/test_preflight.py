@@ -99,3 +99,15 @@ def test_a_target_class_without_eagle3_support_in_vllm_is_refused(tmp_path, smol
     assert "Gemma3ForCausalLM" in info.value.message and "SupportsEagle3" in info.value.message
     # Without vLLM stages the same target plans fine (transformers extraction, training only).
     assert not run_job(compose([*base, "run.stages=[prepare,extract,vocab,train]"]))["plan"].errors
+
+
+def test_a_vllm_without_hidden_state_extraction_is_refused_for_the_vllm_backend(tmp_path, monkeypatch):
+    import runner.preflight as pf
+
+    # What the probe answers for a vLLM that predates the extract_hidden_states method.
+    monkeypatch.setattr(pf, "vllm_eagle3_support", lambda arch, version: {
+        "known": True, "eagle3": True, "cls": f"vllm.{arch}", "extract": False})
+    with pytest.raises(ConfigError) as info:
+        plan(tmp_path, "extract=vllm")
+    assert info.value.key == "extract.backend" and "extract_hidden_states" in info.value.message
+    assert not plan(tmp_path)["plan"].errors  # the transformers backend does not need it
