@@ -88,8 +88,8 @@ def test_hidden_states_match_transformers_within_bf16(runs):
     n = len(ids)
     err_v, err_h, norm, max_abs = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
     for i in range(SAMPLES_COMPARED):
-        h = load_file(str(hf_dir / f"hs_{i}.safetensors"))
-        v = load_file(str(vl_dir / f"hs_{i}.safetensors"))
+        h = load_file(str(hf_dir / "hidden_states" / f"hs_{i}.safetensors"))
+        v = load_file(str(vl_dir / "hidden_states" / f"hs_{i}.safetensors"))
         assert torch.equal(h["token_ids"], v["token_ids"])
         assert h["hidden_states"].shape == v["hidden_states"].shape and v["hidden_states"].dtype == torch.bfloat16
         ref = exact.forward([h["token_ids"]])[0]
