@@ -166,6 +166,9 @@ def _log_outputs(tracker: Any, cfg: Any, by_name: dict[str, Any]) -> None:
             tracker.log_artifact(v / f, artifact_path="vocab")
     if "extract" in by_name:
         tracker.log_artifact(by_name["extract"].path / "layer_stats.json", artifact_path="extract")
+    for stage in ("extract", "evaluate"):  # the full logs of the vLLM servers these stages ran
+        if stage in by_name and (by_name[stage].path / "logs").is_dir():
+            tracker.log_artifact(by_name[stage].path / "logs", artifact_path=f"{stage}/logs")
     if "prepare" in by_name:
         tracker.log_artifact(by_name["prepare"].path / "sample.txt", artifact_path="prepare")
     if "evaluate" in by_name:

@@ -91,6 +91,7 @@ def _serve(cfg: Any, facts: Any, draft: Path | None, prompts: list[str], label: 
     log.info("[evaluate] %s: %d prompts on a vLLM server (its log: logs/vllm_%s.log)", label, len(prompts), label)
     server = VllmServer.from_config(cfg, facts.path, server_args(cfg, draft), logs / f"vllm_{label}.log",
                                     label=f"evaluate:{label}")
+    # (`logs` is in the stage's scratch folder: a failed evaluation keeps its servers' logs there.)
     with server:
         before = server.spec_decode_counters()
         t0 = time.time()
@@ -176,8 +177,7 @@ def run(ctx: Any) -> dict[str, Any]:
     work = ctx.scratch
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    logs = ctx.out / "logs"
-    logs.mkdir()
+    logs = work / "logs"  # copied into the artifact at the end; kept in scratch if the stage fails
     spec = _serve(cfg, ctx.facts, draft, prompts, "draft", logs)
     metrics = acceptance(spec["counters"])
     new_tokens = sum(len(t) for t in spec["token_ids"])
@@ -210,5 +210,6 @@ def run(ctx: Any) -> dict[str, Any]:
     ]
     (ctx.out / "eval_table.json").write_text(json.dumps(table, indent=1))
     (ctx.out / "summary.json").write_text(json.dumps(metrics, indent=2))
+    shutil.copytree(logs, ctx.out / "logs")
     shutil.rmtree(work, ignore_errors=True)
     return metrics

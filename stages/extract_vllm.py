@@ -86,18 +86,30 @@ def _run_client(server: VllmServer, requests_dir: Path, out_dir: Path, cfg: Any,
                 model=server.model_id, endpoint=server.url, preprocessed_data=str(requests_dir),
                 output=str(out_dir), max_samples=max_samples, concurrency=e.concurrency, validate_outputs=True,
                 request_timeout=e.request_timeout_s, max_retries=e.max_retries, fail_on_error=False,
-                # The runner decides what failing means (any sample missing); let the client finish.
-                max_consecutive_errors=10**9, world_size=1, rank=0,
+                # Isolated failures are collected and reported by sample below; this many in a row
+                # (after retries) means the server is gone, and the client stops instead of
+                # retrying every remaining sample against it.
+                max_consecutive_errors=2 * e.concurrency, world_size=1, rank=0,
             )
     except SystemExit as exc:
         if exc.code == 130:
             raise KeyboardInterrupt from None
-        server.check_alive()
+        server.check_alive()  # a dead server is the reason: say so, with its log
+        if rec.failed:
+            raise StageError(_failed_samples(rec.failed, cfg, out_dir)) from None
         raise StageError(f"speculators' data-generation client failed (exit {exc.code}); see the log above "
                          f"and {server.log_path}") from None
     finally:
         speculators_log.removeHandler(rec)
     return rec.failed
+
+
+def _failed_samples(why: dict[int, str], cfg: Any, done_dir: Path) -> str:
+    shown = sorted(why)[:10]
+    return (f"vLLM extraction failed for sample{'s' if len(why) > 1 else ''} {', '.join(map(str, shown))}"
+            f"{' ...' if len(why) > len(shown) else ''} ({len(why)} in all) after {cfg.extract.max_retries} retries "
+            f"each (extract.max_retries); " + "; ".join(f"sample {i}: {why[i]}" for i in shown[:3])
+            + f". Files written so far stay in {done_dir}; a re-run redoes only the missing samples.")
 
 
 def extract(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: Any) -> dict[str, Any]:
@@ -125,17 +137,16 @@ def extract(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: Any) -> dict[st
 
     datasets.Dataset.from_dict({"input_ids": [r.tolist() for r in rows]}).with_format("torch").save_to_disk(
         str(requests_dir))
-    logs = ctx.out / "logs"
-    server = VllmServer.from_config(cfg, facts.path, server_args(cfg, facts, staging), logs / "vllm_extract.log",
-                                    label="extract")
+    # The log lives in scratch while the server runs (kept there if the stage fails), then in the artifact.
+    log_path = scratch / "logs" / "vllm_extract.log"
+    server = VllmServer.from_config(cfg, facts.path, server_args(cfg, facts, staging), log_path, label="extract")
     with server:
         # One sample first: a server that writes the wrong slots fails here, not after every row.
         failed = _run_client(server, requests_dir, done_dir, cfg, max_samples=1)
         first = done_dir / "hs_0.safetensors"
         if failed or not first.exists():
             server.check_alive()
-            raise StageError(f"vLLM extraction failed for sample 0 after {cfg.extract.max_retries} retries "
-                             f"(extract.max_retries): {failed.get(0, 'no file written')}; see {server.log_path}")
+            raise StageError(_failed_samples(failed or {0: "no file written"}, cfg, done_dir))
         got = load_file(str(first))["hidden_states"].shape
         want = (len(rows[0]), len(facts.extract_ids))
         if tuple(got[:2]) != want:
@@ -149,12 +160,7 @@ def extract(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: Any) -> dict[st
     missing = [i for i in range(len(rows)) if not (done_dir / f"hs_{i}.safetensors").exists()]
     bad = find_corrupt_hidden_state_indices(done_dir, list(range(len(rows))))
     if missing or bad:
-        why = {**{i: failed.get(i, "no file") for i in missing}, **bad}
-        first_bad = sorted(why)[:10]
-        raise StageError(
-            f"vLLM extraction failed for {len(why)} of {len(rows)} samples after {cfg.extract.max_retries} retries "
-            f"each (extract.max_retries); first: " + "; ".join(f"sample {i}: {why[i]}" for i in first_bad)
-            + f". Files written so far stay in {done_dir}; a re-run redoes only the missing samples.")
+        raise StageError(_failed_samples({**{i: failed.get(i, "no file") for i in missing}, **bad}, cfg, done_dir))
     # Validate and summarise every file (token ids, length, finite values, slot count), then publish.
     for i, ids in enumerate(rows):
         path = done_dir / f"hs_{i}.safetensors"
@@ -172,6 +178,7 @@ def extract(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: Any) -> dict[st
         stats.update_batch(hs[None], [hs.shape[0]])
     for i in range(len(rows)):
         shutil.move(done_dir / f"hs_{i}.safetensors", out_dir / f"hs_{i}.safetensors")
+    shutil.copytree(log_path.parent, ctx.out / "logs")
     shutil.rmtree(scratch, ignore_errors=True)
     # Throughput over the rows the main pass computed (not sample 0's probe, not resumed files).
     fresh = sum(len(r) for i, r in enumerate(rows) if i > 0 and f"hs_{i}.safetensors" not in before)

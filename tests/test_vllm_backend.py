@@ -143,7 +143,8 @@ def test_a_request_that_keeps_failing_names_the_sample_and_leaves_no_server(root
     overrides = ["extract=vllm", "data.num_samples=8", f"run.output_root={root}", "run.stages=[prepare,extract]",
                  # vLLM takes the last of repeated flags: every row is now too long for the server.
                  "hardware.vllm.extra_args=[--max-model-len,'16']", "extract.max_retries=1", "run.name=failing"]
-    with pytest.raises(StageError, match=r"failed for sample \d+ after 1 retries \(extract.max_retries\)"):
+    with pytest.raises(StageError, match=r"failed for sample \d+ .*after 1 retries each \(extract.max_retries\); "
+                                         r"sample \d+: .*maximum context length"):
         run_job(compose(overrides))
     assert _servers_under(root) == []
 
@@ -167,3 +168,26 @@ def test_ctrl_c_while_the_server_loads_stops_it(root):
     while _servers_under(root) and time.time() < deadline:
         time.sleep(0.5)
     assert _servers_under(root) == [], rest[-2000:]
+
+
+def test_a_server_that_dies_mid_extraction_ends_the_stage_with_its_log(runs, root):
+    cmd = [sys.executable, "-m", "runner", *REDUCED, "extract=vllm", f"run.output_root={root}",
+           "run.stages=[prepare,extract]", "run.force=[extract]", "run.name=server-killed"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "Processing" in line and "Processing 1 samples" not in line:  # the main pass has begun
+            break
+    servers = _servers_under(root)
+    assert servers, "".join(seen[-20:])
+    for pid in servers:
+        os.kill(pid, signal.SIGKILL)  # e.g. the OOM killer
+    t0 = time.time()
+    rest = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 1, rest[-3000:]
+    assert time.time() - t0 < 120, "the stage kept retrying against a dead server"
+    assert "exited with code -9" in rest and "vllm_extract.log" in rest
+    assert _servers_under(root) == []
