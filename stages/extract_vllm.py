@@ -113,6 +113,7 @@ def _failed_samples(why: dict[int, str], cfg: Any, done_dir: Path) -> str:
 
 
 def extract(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: Any) -> dict[str, Any]:
+    import datasets
     import torch
     from safetensors.torch import load_file
     from speculators.data_generation.offline import check_hidden_states, find_corrupt_hidden_state_indices
@@ -132,8 +133,6 @@ def extract(ctx: Any, rows: Sequence[Any], out_dir: Path, stats: Any) -> dict[st
     if present:
         log.info("[extract] resuming from %s: %d readable sample files kept, %d unreadable ones redone",
                  done_dir, len(before), len(unreadable))
-
-    import datasets
 
     datasets.Dataset.from_dict({"input_ids": [r.tolist() for r in rows]}).with_format("torch").save_to_disk(
         str(requests_dir))
