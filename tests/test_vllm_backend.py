@@ -149,18 +149,24 @@ def test_a_request_that_keeps_failing_names_the_sample_and_leaves_no_server(root
     assert _servers_under(root) == []
 
 
-def test_ctrl_c_while_the_server_loads_stops_it(root):
-    cmd = [sys.executable, "-m", "runner", "extract=vllm", "data.num_samples=8", f"run.output_root={root}",
-           "run.stages=[prepare,extract]", "run.name=interrupted"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def _runner_until(args: list[str], root: Path, started) -> subprocess.Popen:
+    """`python -m runner <args>` in a child, read until a line satisfies `started`; a server must be up."""
+    proc = subprocess.Popen([sys.executable, "-m", "runner", *args, f"run.output_root={root}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout is not None
     seen = []
     for line in proc.stdout:
         seen.append(line)
-        if line.startswith("[vllm:extract]"):  # the server is up and logging
+        if started(line):
             break
     assert _servers_under(root), "".join(seen[-20:])
+    return proc
+
+
+def test_ctrl_c_while_the_server_loads_stops_it(root):
+    proc = _runner_until(["extract=vllm", "data.num_samples=8", "run.stages=[prepare,extract]", "run.name=interrupted"],
+                         root, lambda line: line.startswith("[vllm:extract]"))  # the server is up and logging
     proc.send_signal(signal.SIGINT)
     rest = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0
@@ -171,19 +177,10 @@ def test_ctrl_c_while_the_server_loads_stops_it(root):
 
 
 def test_a_server_that_dies_mid_extraction_ends_the_stage_with_its_log(runs, root):
-    cmd = [sys.executable, "-m", "runner", *REDUCED, "extract=vllm", f"run.output_root={root}",
-           "run.stages=[prepare,extract]", "run.force=[extract]", "run.name=server-killed"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if "Processing" in line and "Processing 1 samples" not in line:  # the main pass has begun
-            break
-    servers = _servers_under(root)
-    assert servers, "".join(seen[-20:])
-    for pid in servers:
+    proc = _runner_until([*REDUCED, "extract=vllm", "run.stages=[prepare,extract]", "run.force=[extract]",
+                          "run.name=server-killed"], root,
+                         lambda line: "Processing" in line and "Processing 1 samples" not in line)  # main pass begun
+    for pid in _servers_under(root):
         os.kill(pid, signal.SIGKILL)  # e.g. the OOM killer
     t0 = time.time()
     rest = proc.communicate(timeout=300)[0]
