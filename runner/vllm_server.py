@@ -67,6 +67,21 @@ def _die_with_parent() -> None:
         pass
 
 
+def engine_args(cfg: Any, max_model_len: int) -> list[str]:
+    """The flags every server the runner starts shares, from `hardware` and `model`."""
+    hw = cfg.hardware
+    args = ["--dtype", hw.dtype, "--tensor-parallel-size", str(hw.tensor_parallel_size),
+            "--max-model-len", str(max_model_len), "--seed", "0",
+            "--gpu-memory-utilization", str(hw.vllm_memory_utilization), "--disable-uvicorn-access-log"]
+    if hw.vllm_kv_cache_gib:
+        args += ["--kv-cache-memory-bytes", str(int(hw.vllm_kv_cache_gib * (1 << 30)))]
+    if hw.device == "cpu":
+        args.append("--enforce-eager")  # CUDA graphs and torch.compile only add start-up time on CPU
+    if cfg.model.trust_remote_code:
+        args.append("--trust-remote-code")
+    return args
+
+
 class VllmServer:
     def __init__(self, command: Sequence[str], env: dict[str, str], log_path: Path, label: str,
                  ready_timeout_s: float, stop_timeout_s: float = 60.0, cwd: Path | None = None):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import StageError
-from runner.vllm_server import VllmServer, counters_delta, quiet_http_logs
+from runner.vllm_server import VllmServer, counters_delta, engine_args, quiet_http_logs
 
 NAME = "evaluate"
 UPSTREAM = ("train",)
@@ -44,19 +44,10 @@ def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
 
 def server_args(cfg: Any, draft: Path | None) -> list[str]:
     """Flags for an evaluation server: the target, plus the draft as an EAGLE-3 speculator."""
-    hw, e = cfg.hardware, cfg.eval
-    args = ["--dtype", hw.dtype, "--max-model-len", str(e.max_model_len),
-            "--tensor-parallel-size", str(hw.tensor_parallel_size), "--seed", "0",
-            "--gpu-memory-utilization", str(hw.vllm_memory_utilization), "--disable-uvicorn-access-log"]
-    if hw.vllm_kv_cache_gib:
-        args += ["--kv-cache-memory-bytes", str(int(hw.vllm_kv_cache_gib * (1 << 30)))]
-    if hw.device == "cpu":
-        args.append("--enforce-eager")  # CUDA graphs and torch.compile only add start-up time on CPU
-    if cfg.model.trust_remote_code:
-        args.append("--trust-remote-code")
+    args = engine_args(cfg, cfg.eval.max_model_len)
     if draft is not None:
         args += ["--speculative-config", json.dumps(
-            {"method": "eagle3", "model": str(draft), "num_speculative_tokens": e.num_speculative_tokens})]
+            {"method": "eagle3", "model": str(draft), "num_speculative_tokens": cfg.eval.num_speculative_tokens})]
     return args
 
 
@@ -107,7 +98,7 @@ def _serve(cfg: Any, facts: Any, draft: Path | None, prompts: list[str], label: 
     if counters is not None and counters["drafts"] == 0:
         raise StageError(f"vLLM served the draft but counted no speculative drafts; see {server.log_path}")
     return {
-        "init_s": server.start_s, "generate_s": gen_s,
+        "start_s": server.start_s, "generate_s": gen_s,
         "token_ids": [list(o.choices[0].token_ids) for o in outs],
         "texts": [o.choices[0].message.content or "" for o in outs],
         "prompt_tokens": [o.usage.prompt_tokens for o in outs],
@@ -182,8 +173,7 @@ def run(ctx: Any) -> dict[str, Any]:
     metrics = acceptance(spec["counters"])
     new_tokens = sum(len(t) for t in spec["token_ids"])
     metrics.update({"prompts": len(prompts), "generated_tokens": new_tokens,
-                    "spec_tokens_per_s": new_tokens / spec["generate_s"], "vllm_init_s": spec["init_s"],
-                    "server_start_s": spec["init_s"]})
+                    "spec_tokens_per_s": new_tokens / spec["generate_s"], "server_start_s": spec["start_s"]})
     identical: list[bool | None] = [None] * len(prompts)
     if e.compare_target:
         target = _serve(cfg, ctx.facts, None, prompts, "target", logs)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from runner.errors import StageError
-from runner.vllm_server import VllmServer, quiet_http_logs
+from runner.vllm_server import VllmServer, engine_args, quiet_http_logs
 
 log = logging.getLogger("runner")
 _SKIPPED = re.compile(r"Skipping sample (\d+) due to error: (.*)")
@@ -33,31 +33,18 @@ _SKIPPED = re.compile(r"Skipping sample (\d+) due to error: (.*)")
 
 def server_args(cfg: Any, facts: Any, staging: Path) -> list[str]:
     """Flags for an extraction server, all derived from the composed config."""
-    hw = cfg.hardware
-    cpu = hw.device == "cpu"
+    cpu = cfg.hardware.device == "cpu"
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(facts.extract_ids)}}}
     kv = {"kv_connector": "CpuHiddenStatesConnector" if cpu else "ExampleHiddenStatesConnector",
           "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(staging)}}
     if cpu:
         kv["kv_connector_module_path"] = "stages.vllm_cpu_connector"
-    args = [
-        "--dtype", hw.dtype, "--tensor-parallel-size", str(hw.tensor_parallel_size),
-        # Each prepared row plus the one generated token.
-        "--max-model-len", str(cfg.data.max_seq_len + 1),
-        # Both corrupt captured states in some vLLM versions (speculators #279, #283, #994).
-        "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
-        "--gpu-memory-utilization", str(hw.vllm_memory_utilization), "--seed", "0",
-        "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
-        "--disable-uvicorn-access-log",
-    ]
-    if hw.vllm_kv_cache_gib:
-        args += ["--kv-cache-memory-bytes", str(int(hw.vllm_kv_cache_gib * (1 << 30)))]
-    if cpu:
-        args.append("--enforce-eager")  # graphs and compilation only add start-up time on CPU
-    if cfg.model.trust_remote_code:
-        args.append("--trust-remote-code")
-    return args
+    # Each prepared row plus the one generated token.
+    return [*engine_args(cfg, cfg.data.max_seq_len + 1),
+            # Both corrupt captured states in some vLLM versions (speculators #279, #283, #994).
+            "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
+            "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
 
 
 class _SkipRecorder(logging.Handler):
