@@ -30,8 +30,15 @@ def build_model(shape: str, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     h, inter, layers, heads, kv, vocab = SHAPES[shape]
-    cfg = LlamaConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=8192)
+    cfg = LlamaConfig(
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
@@ -64,7 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from stages.extract import LayerStats, TransformersBackend, extract_to_files
+    from stages.extract import LayerStats
+    from stages.extract.transformers_backend import TransformersBackend, extract_to_files
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
@@ -81,17 +89,20 @@ def main(argv: list[str] | None = None) -> dict:
     backend = TransformersBackend(model, ids, n, args.batch)
     g = torch.Generator().manual_seed(0)
     vocab = SHAPES[args.shape][5]
-    rows = [torch.randint(0, vocab, (args.seq,), generator=g) for _ in range(args.batch * (args.batches + 1))]
-    warm, timed = rows[: args.batch], rows[args.batch:]
+    rows = [
+        torch.randint(0, vocab, (args.seq,), generator=g)
+        for _ in range(args.batch * (args.batches + 1))
+    ]
+    warm, timed = rows[: args.batch], rows[args.batch :]
     tokens = sum(len(r) for r in timed)
     work = Path(args.dir or tempfile.mkdtemp(prefix="extract_bench_"))
     work.mkdir(parents=True, exist_ok=True)
 
     def batches(rs):
-        return [rs[i: i + args.batch] for i in range(0, len(rs), args.batch)]
+        return [rs[i : i + args.batch] for i in range(0, len(rs), args.batch)]
 
     # 1. bare forward: no hooks, nothing leaves the device
-    for h in backend._hooks:  # noqa: SLF001
+    for h in backend._hooks:
         h.remove()
     with torch.inference_mode():
         for phase in (warm, timed):
@@ -99,7 +110,12 @@ def main(argv: list[str] | None = None) -> dict:
             t0 = time.time()
             for b in batches(phase):
                 x = torch.stack(b).to(args.device)
-                model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, logits_to_keep=1)
+                model(
+                    input_ids=x,
+                    attention_mask=torch.ones_like(x),
+                    use_cache=False,
+                    logits_to_keep=1,
+                )
             sync(args.device)
             bare_s = time.time() - t0
     backend = TransformersBackend(model, ids, n, args.batch)
@@ -115,7 +131,10 @@ def main(argv: list[str] | None = None) -> dict:
         for b in batches(phase):
             host = backend.forward(b).cpu()
             for r, row in enumerate(b):
-                save_file({"hidden_states": host[r, : len(row)].clone(), "token_ids": row}, str(naive_dir / f"hs_{k}.safetensors"))
+                save_file(
+                    {"hidden_states": host[r, : len(row)].clone(), "token_ids": row},
+                    str(naive_dir / f"hs_{k}.safetensors"),
+                )
                 k += 1
         naive_s = time.time() - t0
     shutil.rmtree(naive_dir, ignore_errors=True)
@@ -141,23 +160,44 @@ def main(argv: list[str] | None = None) -> dict:
     bound = "disk write" if disk_tps < bare_tps else "forward pass"
     bound_s = max(bare_s, tokens / disk_tps)
     out = {
-        "shape": args.shape, "device": args.device, "batch": args.batch, "seq": args.seq, "tokens": tokens,
-        "slots": len(ids), "bare_forward_tok_s": bare_tps, "runner_tok_s": tokens / runner_s,
-        "naive_tok_s": tokens / naive_s, "runner_time_over_forward": runner_s / bare_s,
-        "naive_time_over_forward": naive_s / bare_s, "runner_time_over_bound": runner_s / bound_s,
-        "naive_over_runner_time": naive_s / runner_s, "disk_write_GBps": bw / 1e9, "disk_bound_tok_s": disk_tps,
-        "bound": bound, "bytes_per_token_per_layer": bytes_per_token / len(ids),
+        "shape": args.shape,
+        "device": args.device,
+        "batch": args.batch,
+        "seq": args.seq,
+        "tokens": tokens,
+        "slots": len(ids),
+        "bare_forward_tok_s": bare_tps,
+        "runner_tok_s": tokens / runner_s,
+        "naive_tok_s": tokens / naive_s,
+        "runner_time_over_forward": runner_s / bare_s,
+        "naive_time_over_forward": naive_s / bare_s,
+        "runner_time_over_bound": runner_s / bound_s,
+        "naive_over_runner_time": naive_s / runner_s,
+        "disk_write_GBps": bw / 1e9,
+        "disk_bound_tok_s": disk_tps,
+        "bound": bound,
+        "bytes_per_token_per_layer": bytes_per_token / len(ids),
         "bytes_per_token_per_layer_minimum": hidden * 2,
         "bytes_over_minimum": bytes_per_token / minimum,
     }
-    print(f"{args.shape} on {args.device}: {tokens} tokens, {len(ids)} slots, batch {args.batch}x{args.seq}")
+    print(
+        f"{args.shape} on {args.device}: {tokens} tokens, {len(ids)} slots, batch {args.batch}x{args.seq}"
+    )
     print(f"  bare forward      {bare_tps:12,.0f} tok/s")
-    print(f"  runner extractor  {tokens / runner_s:12,.0f} tok/s  = {runner_s / bare_s:.2f}x forward time, "
-          f"{runner_s / bound_s:.2f}x the {bound} bound")
-    print(f"  naive extractor   {tokens / naive_s:12,.0f} tok/s  = {naive_s / bare_s:.2f}x forward time "
-          f"({naive_s / runner_s:.2f}x the runner's)")
-    print(f"  disk write        {bw / 1e9:8.2f} GB/s -> bound {disk_tps:,.0f} tok/s; bound that applies: {bound}")
-    print(f"  bytes/token/layer {bytes_per_token / len(ids):8.1f} (minimum {hidden * 2}: {bytes_per_token / minimum:.3f}x)")
+    print(
+        f"  runner extractor  {tokens / runner_s:12,.0f} tok/s  = {runner_s / bare_s:.2f}x forward time, "
+        f"{runner_s / bound_s:.2f}x the {bound} bound"
+    )
+    print(
+        f"  naive extractor   {tokens / naive_s:12,.0f} tok/s  = {naive_s / bare_s:.2f}x forward time "
+        f"({naive_s / runner_s:.2f}x the runner's)"
+    )
+    print(
+        f"  disk write        {bw / 1e9:8.2f} GB/s -> bound {disk_tps:,.0f} tok/s; bound that applies: {bound}"
+    )
+    print(
+        f"  bytes/token/layer {bytes_per_token / len(ids):8.1f} (minimum {hidden * 2}: {bytes_per_token / minimum:.3f}x)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     if not args.dir:

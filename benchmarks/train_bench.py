@@ -30,10 +30,10 @@ def direct(argv: list[str]) -> list[dict]:
     from speculators.train.cli import main as speculators_train
     from speculators.train.config import TrainConfig
 
-    from stages.speculators_cpu import cpu_training
-    from stages.train import _capture_metrics
+    from runner.integrations.speculators import capture_metrics, cpu_training
+    
 
-    with _capture_metrics() as capture, cpu_training():
+    with capture_metrics() as capture, cpu_training():
         speculators_train(TrainConfig.resolve(argv))
     return capture.records
 
@@ -49,29 +49,43 @@ def main() -> None:
         spec = Path(args.direct)
         t0 = time.time()
         records = direct(json.loads((spec / "argv.json").read_text()))
-        (spec / "result.json").write_text(json.dumps({"records": records, "seconds": time.time() - t0}))
+        (spec / "result.json").write_text(
+            json.dumps({"records": records, "seconds": time.time() - t0})
+        )
         return
-    over = ["run.stages=[train]", "run.force=[train]", f"train.max_steps={args.steps}", "train.epochs=1"]
+    over = [
+        "run.stages=[train]",
+        "run.force=[train]",
+        f"train.max_steps={args.steps}",
+        "train.epochs=1",
+    ]
     runs: dict[str, list[float]] = {"runner": [], "direct": []}
     walls: dict[str, list[float]] = {"runner": [], "direct": []}
     # Alternate runner, direct, runner, direct: the order of runs must not decide the ratio.
     for _ in range(args.rounds):
         t0 = time.time()
-        out = subprocess.run([sys.executable, "-m", "runner", *over], capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "runner", *over], capture_output=True, text=True
+        )
         if out.returncode:
             sys.exit(out.stdout[-2000:] + out.stderr[-2000:])
         line = next(l for l in out.stdout.splitlines() if l.strip().startswith("train "))
         art = Path(line.split()[-1])
         manifest = json.loads((art / "manifest.json").read_text())
-        runs["runner"].append(tokens_per_s([json.loads(l) for l in (art / "metrics.jsonl").read_text().splitlines()]))
+        runs["runner"].append(
+            tokens_per_s([json.loads(l) for l in (art / "metrics.jsonl").read_text().splitlines()])
+        )
         walls["runner"].append(manifest["seconds"])
         argv = [a for a in manifest["speculators_argv"] if a not in ("--logger", "mlflow")]
         argv[argv.index("--save-path") + 1] = tempfile.mkdtemp(prefix="direct_")
         # In a fresh process too, like the runner: no threads or caches carried between the two.
         spec = Path(tempfile.mkdtemp(prefix="direct_io_"))
         (spec / "argv.json").write_text(json.dumps(argv))
-        out = subprocess.run([sys.executable, "-m", "benchmarks.train_bench", "--direct", str(spec)],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.train_bench", "--direct", str(spec)],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode:
             sys.exit(out.stdout[-2000:] + out.stderr[-2000:])
         result = json.loads((spec / "result.json").read_text())
@@ -79,14 +93,27 @@ def main() -> None:
         walls["direct"].append(result["seconds"])
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     r, d = mean(runs["runner"]), mean(runs["direct"])
-    res = {"steps": args.steps, "rounds": args.rounds, "runner_tok_s": runs["runner"], "direct_tok_s": runs["direct"],
-           "ratio": r / d, "runner_train_stage_s": walls["runner"], "direct_call_s": walls["direct"],
-           "wall_ratio": mean(walls["direct"]) / mean(walls["runner"])}
-    print(f"training {args.steps} steps x {args.rounds} rounds: runner {r:,.0f} tok/s, speculators directly {d:,.0f} tok/s, "
-          f"ratio {r / d:.3f}")
-    print(f"  per round runner {[round(x) for x in runs['runner']]}, direct {[round(x) for x in runs['direct']]}")
-    print(f"  train stage {mean(walls['runner']):.1f} s vs direct call {mean(walls['direct']):.1f} s "
-          f"(throughput ratio by wall time {res['wall_ratio']:.3f})")
+    res = {
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "runner_tok_s": runs["runner"],
+        "direct_tok_s": runs["direct"],
+        "ratio": r / d,
+        "runner_train_stage_s": walls["runner"],
+        "direct_call_s": walls["direct"],
+        "wall_ratio": mean(walls["direct"]) / mean(walls["runner"]),
+    }
+    print(
+        f"training {args.steps} steps x {args.rounds} rounds: runner {r:,.0f} tok/s, speculators directly {d:,.0f} tok/s, "
+        f"ratio {r / d:.3f}"
+    )
+    print(
+        f"  per round runner {[round(x) for x in runs['runner']]}, direct {[round(x) for x in runs['direct']]}"
+    )
+    print(
+        f"  train stage {mean(walls['runner']):.1f} s vs direct call {mean(walls['direct']):.1f} s "
+        f"(throughput ratio by wall time {res['wall_ratio']:.3f})"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
 

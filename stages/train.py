@@ -3,7 +3,7 @@
 Run alone: `python -m runner run.stages=[train]` (needs prepare, extract and vocab in the store).
 Builds speculators' TrainConfig from `cfg.train` (the same flags `speculators train` takes),
 points it at the prepared dataset, the hidden-state folder and the vocab mapping, and calls
-`speculators.train.cli.main`. On a CPU-only host `stages.speculators_cpu` adapts the trainer.
+`speculators.train.cli.main`; on a CPU-only host through `runner.integrations.speculators`.
 speculators' MLflow logger writes its metrics into the runner's active run; the same records are
 kept in `metrics.jsonl`. Publishes `draft/`: the checkpoint (config.json + model.safetensors in
 speculators' format, which vLLM serves with `speculative_config={"method": "eagle3", ...}`).
@@ -11,33 +11,66 @@ speculators' format, which vLLM serves with `speculative_config={"method": "eagl
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import logging
 import os
 import shutil
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-NAME = "train"
-UPSTREAM = ("prepare", "extract", "vocab")
-VERSION = "1"
-LIBRARIES = {"speculators": ("speculators",), "torch": ("torch",)}
+from runner.errors import ConfigError
+from runner.integrations.speculators import (
+    SLOT_BACKEND,
+    SLOTS_ENV,
+    capture_metrics,
+    cpu_training,
+    register_slot_backend,
+)
+from runner.preflight import Plan, fmt_bytes
+from runner.schema import RunnerConfig
+from runner.stage import PlanView, Stage, StageContext
+from runner.target_facts import ModelFacts
 
 # Settings that change how fast training runs, not what it produces.
 _NOT_IN_KEY = ("name", "num_workers", "log_freq")
+# What a resumable checkpoint holds beside the draft; not published.
+_RESUME_ONLY = ("optimizer_state_dict.pt", "scheduler_state_dict.pt")
 
 
-def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
-    from omegaconf import OmegaConf
+def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
+    t = dataclasses.asdict(cfg.train)
+    return {
+        **{k: v for k, v in t.items() if k not in _NOT_IN_KEY},
+        "aux_layers": list(facts.aux_layers),
+        "device": cfg.hardware.device,
+    }
 
-    t = OmegaConf.to_container(cfg.train, resolve=True)
-    return {**{k: v for k, v in t.items() if k not in _NOT_IN_KEY}, "aux_layers": list(facts.aux_layers),
-            "device": cfg.hardware.device}
+
+def extra_flags(extra_args: Mapping[str, Any]) -> list[str]:
+    """`train.extra_args` as speculators flags: {norm_before_fc: true} -> [--norm-before-fc],
+    false -> nothing, lists -> repeated values, anything else -> one value."""
+    argv: list[str] = []
+    for k, v in extra_args.items():
+        flag = "--" + str(k).replace("_", "-")
+        if isinstance(v, bool):
+            argv += [flag] if v else []
+        elif isinstance(v, (list, tuple)):
+            argv += [flag, *[str(x) for x in v]]
+        else:
+            argv += [flag, str(v)]
+    return argv
 
 
-def speculators_argv(cfg: Any, facts: Any, data_path: Path, hidden_states: Path, vocab: Path,
-                     save_path: Path, extra: list[str] | None = None) -> list[str]:
+def speculators_argv(
+    cfg: RunnerConfig,
+    facts: ModelFacts,
+    data_path: Path,
+    hidden_states: Path,
+    vocab: Path,
+    save_path: Path,
+    extra: list[str] | None = None,
+) -> list[str]:
     """The `speculators train` command line for this config (recorded in the manifest too)."""
     t = cfg.train
     argv = [
@@ -69,66 +102,32 @@ def speculators_argv(cfg: Any, facts: Any, data_path: Path, hidden_states: Path,
         "--save-path", str(save_path),
         "--log-dir", str(save_path.parent / "logs"),
         "--no-resume-from-checkpoint",
-    ]
+    ]  # fmt: skip
     if t.max_steps is not None:
         argv += ["--max-steps", str(t.max_steps)]
     if facts.train_slots != tuple(range(len(facts.extract_ids))):
         # The files hold a sweep's superset of layers; read only this job's slots.
-        argv += ["--hidden-states-backend", "runner-slots"]
+        argv += ["--hidden-states-backend", SLOT_BACKEND]
     if cfg.model.trust_remote_code:
         argv += ["--trust-remote-code"]
-    for k, v in dict(t.extra_args).items():
-        flag = "--" + str(k).replace("_", "-")
-        if isinstance(v, bool):
-            argv += [flag] if v else []
-        elif isinstance(v, (list, tuple)):
-            argv += [flag, *[str(x) for x in v]]
-        else:
-            argv += [flag, str(v)]
-    return argv + (extra or [])
+    return argv + extra_flags(t.extra_args) + (extra or [])
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, float]:
-    out: dict[str, float] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, key + "/"))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[key] = float(v)
-    return out
+def resolve_argv(argv: list[str], slots: tuple[int, ...]) -> Any:
+    """speculators' TrainConfig for `argv`; a flag it refuses is the config's fault."""
+    from speculators.train.config import TrainConfig  # speculators imports torch: seconds
 
-
-class _MetricCapture(logging.Handler):
-    """Keeps speculators' metric records (the dicts its MLflow logger receives)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if isinstance(record.msg, dict) and not getattr(record, "hparams", False):
-            self.records.append({"step": getattr(record, "step", None), **_flat(record.msg)})
-
-
-@contextmanager
-def _capture_metrics() -> Iterator[_MetricCapture]:
-    import speculators.train.cli as cli
-
-    capture = _MetricCapture()
-    original = cli.setup_metric_logger
-
-    def setup_then_capture(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)  # dictConfig: our handler must come after it
-        logging.getLogger("speculators.metrics").addHandler(capture)
-        return result
-
-    cli.setup_metric_logger = setup_then_capture
+    if SLOT_BACKEND in argv:
+        register_slot_backend()
+        os.environ[SLOTS_ENV] = ",".join(str(i) for i in slots)
     try:
-        yield capture
-    finally:
-        cli.setup_metric_logger = original
-        logging.getLogger("speculators.metrics").removeHandler(capture)
+        return TrainConfig.resolve(argv)
+    except SystemExit as exc:  # speculators parses flags with argparse, which exits on a bad one
+        raise ConfigError(
+            "train.extra_args",
+            f"speculators rejected its arguments (exit {exc.code}); see the message above. "
+            f"Arguments: {' '.join(argv)}",
+        ) from None
 
 
 def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -154,28 +153,22 @@ def _pick_checkpoint(save_path: Path) -> Path:
     best = save_path / "checkpoint_best"
     if best.exists():
         return best.resolve()
-    epochs = sorted((p for p in save_path.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    epochs = sorted(
+        (p for p in save_path.iterdir() if p.is_dir() and p.name.isdigit()),
+        key=lambda p: int(p.name),
+    )
     if not epochs:
         raise RuntimeError(f"speculators wrote no checkpoint under {save_path}")
     return epochs[-1]
 
 
-def run(ctx: Any) -> dict[str, Any]:
-    import torch
-    from speculators.train.cli import main as speculators_train
-    from speculators.train.config import TrainConfig
+def run(ctx: StageContext) -> dict[str, Any]:
+    from speculators.train.cli import main as speculators_train  # imports torch: seconds
 
-    from stages.speculators_cpu import cpu_training
-
-    cfg = ctx.cfg
-    if cfg.hardware.cpu_threads:
-        torch.set_num_threads(cfg.hardware.cpu_threads)
-    work = ctx.scratch
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    save_path = work / "checkpoints"
+    save_path = ctx.scratch / "checkpoints"
     argv = speculators_argv(
-        cfg, ctx.facts,
+        ctx.cfg,
+        ctx.facts,
         data_path=ctx.inputs["prepare"].path / "dataset",
         hidden_states=ctx.inputs["extract"].path / "hidden_states",
         vocab=ctx.inputs["vocab"].path,
@@ -183,19 +176,10 @@ def run(ctx: Any) -> dict[str, Any]:
         extra=["--logger", "mlflow"] if ctx.tracker is not None else [],
     )
     ctx.manifest["speculators_argv"] = argv
-    if "runner-slots" in argv:
-        import stages.slot_backend  # noqa: F401  (registers the backend with speculators)
-
-        os.environ["EAGLE3_RUNNER_SLOTS"] = ",".join(str(i) for i in ctx.facts.train_slots)
+    if SLOT_BACKEND in argv:
         ctx.manifest["slots"] = list(ctx.facts.train_slots)
-    try:
-        train_config = TrainConfig.resolve(argv)
-    except SystemExit as exc:  # speculators parses flags with argparse, which exits on a bad one
-        from runner.errors import ConfigError
-
-        raise ConfigError("train.extra_args", f"speculators rejected its arguments (exit {exc.code}); "
-                                              f"see the message above. Arguments: {' '.join(argv)}") from None
-    with _capture_metrics() as capture, cpu_training():
+    train_config = resolve_argv(argv, ctx.facts.train_slots)
+    with capture_metrics() as capture, cpu_training():
         speculators_train(train_config)
     records = capture.records
     with open(ctx.out / "metrics.jsonl", "w") as fh:
@@ -206,7 +190,7 @@ def run(ctx: Any) -> dict[str, Any]:
     draft.mkdir()
     # Publish the weights and config only: optimizer and scheduler states are for resuming.
     for f in ckpt.iterdir():
-        if f.is_file() and not f.name.endswith(("optimizer_state_dict.pt", "scheduler_state_dict.pt")):
+        if f.is_file() and not f.name.endswith(_RESUME_ONLY):
             shutil.copy2(f, draft / f.name)
     for f in ("run.yaml", "train_command.txt"):
         if (save_path / f).exists():
@@ -221,5 +205,62 @@ def run(ctx: Any) -> dict[str, Any]:
         "target_num_layers": ctx.facts.num_layers,
     }
     conf_path.write_text(json.dumps(conf, indent=2))
-    shutil.rmtree(work, ignore_errors=True)
-    return {**summarise(records), "checkpoint_bytes": sum(f.stat().st_size for f in draft.iterdir())}
+    checkpoint_bytes = sum(f.stat().st_size for f in draft.iterdir())
+    return {**summarise(records), "checkpoint_bytes": checkpoint_bytes}
+
+
+def draft_params(cfg: RunnerConfig, view: PlanView) -> int:
+    """Parameters of the draft: fc from the aux layers, decoder layers, and its LM head."""
+    layout, t = view.target.layout, cfg.train
+    h = layout.hidden_size
+    text = view.target.config.get("text_config") or view.target.config
+    inter = int(text.get("intermediate_size") or 4 * h)
+    heads, kv = layout.num_attention_heads, layout.num_key_value_heads
+    head_dim = h // heads
+    attn = 2 * h * (heads + 2 * kv) * head_dim + h * h
+    aux = len(view.target.facts.aux_layers)
+    return aux * h * h + t.num_layers * (attn + 3 * h * inter) + h * t.draft_vocab_size
+
+
+def plan(p: Plan, view: PlanView) -> None:
+    cfg, layout = view.cfg, view.target.layout
+    t, h, vd = cfg.train, layout.hidden_size, cfg.train.draft_vocab_size
+    params = draft_params(cfg, view)
+    aux = len(view.target.facts.aux_layers)
+    p.numbers["draft_params"] = params
+    p.add(
+        "draft",
+        f"{t.num_layers} layer(s), fc {aux}x{h}->{h}, draft vocab {vd} of {layout.vocab_size}, "
+        f"~{params / 1e6:.0f}M params, {t.ttt_steps} TTT steps",
+    )
+    seq = t.total_seq_len or cfg.data.max_seq_len
+    draft_logits, full_logits = seq * vd * 4, seq * layout.vocab_size * 4
+    p.numbers.update(teacher_logits_bytes=draft_logits, full_vocab_logits_bytes=full_logits)
+    p.add(
+        "teacher logits",
+        f"{seq} tokens x {vd} draft vocab x fp32 = {fmt_bytes(draft_logits)} per batch (full vocab "
+        f"would be {fmt_bytes(full_logits)}; {fmt_bytes(layout.vocab_size * 4)}/token)",
+    )
+
+
+def summary(metrics: dict[str, Any], path: Path, _cfg: RunnerConfig) -> list[str]:
+    return [f"draft checkpoint: {path / 'draft'}"]
+
+
+def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
+    return {"train_loss": metrics.get("final_loss"), "val_loss": metrics.get("val_loss_epoch")}
+
+
+STAGE = Stage(
+    name="train",
+    key_config=key_config,
+    run=run,
+    upstream=("prepare", "extract", "vocab"),
+    version="1",
+    libraries={"speculators": ("speculators",), "torch": ("torch",)},
+    identities=("tokenizer_id", "weights_id"),
+    logged={"draft": "draft", "metrics.jsonl": "train"},
+    summary=summary,
+    columns=columns,
+    plan=plan,
+)

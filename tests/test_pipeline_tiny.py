@@ -12,25 +12,19 @@ import torch
 from safetensors.torch import load_file
 
 from runner.job import run_job
-from tests.conftest import compose
+from tests.conftest import compose, tiny_overrides
 
-STAGES_NO_EVAL = "run.stages=[prepare,extract,vocab,train]"
+CAPTURE = "model.capture_layers=[0,2,3]"
 
 
-def tiny_overrides(model_dir, data, root, *extra):
-    return [
-        "model=hf", f"model.source={model_dir}", "model.name=tiny", "model.capture_layers=[0,2,3]",
-        "data=local_file", f"data.source={data}", "data.num_samples=40", "data.max_seq_len=96",
-        "data.min_assistant_tokens=4",
-        "train.draft_vocab_size=512", "train.max_steps=8", "train.epochs=1", "train.val_ratio=0.1",
-        "hardware.extract_batch_size=3", "train.log_freq=1", f"run.output_root={root}", STAGES_NO_EVAL, *extra,
-    ]
+def tiny(model_dir, data, root, *extra):
+    return tiny_overrides(model_dir, data, root, CAPTURE, *extra)
 
 
 @pytest.fixture(scope="module")
 def first_run(tiny_model_dir, chats_jsonl, tmp_path_factory):
     root = tmp_path_factory.mktemp("runner_out")
-    cfg = compose(tiny_overrides(tiny_model_dir, chats_jsonl, root))
+    cfg = compose(tiny(tiny_model_dir, chats_jsonl, root))
     return cfg, run_job(cfg), root
 
 
@@ -39,8 +33,10 @@ def test_hidden_states_equal_the_models_own(first_run, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     cfg, result, _ = first_run
-    rows = datasets.load_from_disk(str(result["results"]["prepare"].path / "dataset")).with_format("torch")
-    hs_dir = result["results"]["extract"].path / "hidden_states"
+    rows = datasets.load_from_disk(str(result.results["prepare"].path / "dataset")).with_format(
+        "torch"
+    )
+    hs_dir = result.results["extract"].path / "hidden_states"
     assert len(list(hs_dir.glob("hs_*.safetensors"))) == len(rows)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
     for i in (0, len(rows) - 1):
@@ -53,30 +49,39 @@ def test_hidden_states_equal_the_models_own(first_run, tiny_model_dir):
             out = model(input_ids=ids[None], output_hidden_states=True)
             # vLLM id k < n is transformers' hidden_states[k] (0 = embeddings).
             for slot, k in enumerate((0, 2, 3)):
-                torch.testing.assert_close(f["hidden_states"][:, slot], out.hidden_states[k][0], atol=2e-2, rtol=2e-2)
+                torch.testing.assert_close(
+                    f["hidden_states"][:, slot], out.hidden_states[k][0], atol=2e-2, rtol=2e-2
+                )
             # The final slot is before the norm: normed, it gives transformers' last (post-norm) state,
             # and it is not that state itself.
             last = f["hidden_states"][:, 3]
-            torch.testing.assert_close(model.model.norm(last[None])[0], out.hidden_states[4][0], atol=3e-2, rtol=3e-2)
+            torch.testing.assert_close(
+                model.model.norm(last[None])[0], out.hidden_states[4][0], atol=3e-2, rtol=3e-2
+            )
             assert not torch.allclose(last, out.hidden_states[4][0], atol=1e-2)
 
 
 def test_layer_statistics_are_recorded(first_run):
     _, result, _ = first_run
-    stats = json.loads((result["results"]["extract"].path / "layer_stats.json").read_text())
+    stats = json.loads((result.results["extract"].path / "layer_stats.json").read_text())
     assert set(stats) == {"layer_0", "layer_2", "layer_3", "layer_4"}
     for s in stats.values():
-        assert s["rms"] > 0 and s["std"] > 0 and s["max_abs"] >= s["rms"] and s["nonfinite_fraction"] == 0
+        assert (
+            s["rms"] > 0
+            and s["std"] > 0
+            and s["max_abs"] >= s["rms"]
+            and s["nonfinite_fraction"] == 0
+        )
 
 
 def test_vocab_mapping_matches_the_frequencies(first_run):
     _, result, _ = first_run
-    v = result["results"]["vocab"].path
+    v = result.results["vocab"].path
     freq = torch.load(v / "token_freq.pt", weights_only=True)
     d2t, t2d = np.load(v / "d2t.npy"), np.load(v / "t2d.npy")
     assert t2d.shape == (49152,) and t2d.dtype == bool and t2d.sum() == 512 == len(d2t)
     draft_ids = np.arange(512) + d2t
-    assert np.all(np.diff(draft_ids) > 0)                  # ascending target ids
+    assert np.all(np.diff(draft_ids) > 0)  # ascending target ids
     assert np.array_equal(np.flatnonzero(t2d), draft_ids)  # t2d marks exactly those ids
     # Every token the data supervises is in the draft vocab when it has fewer distinct tokens.
     assert len(freq) <= 512 and set(freq) <= set(draft_ids.tolist())
@@ -85,7 +90,7 @@ def test_vocab_mapping_matches_the_frequencies(first_run):
 
 def test_draft_checkpoint_is_speculators_format(first_run):
     _, result, _ = first_run
-    draft = result["results"]["train"].path / "draft"
+    draft = result.results["train"].path / "draft"
     conf = json.loads((draft / "config.json").read_text())
     assert conf["speculators_model_type"] == "eagle3"
     assert conf["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
@@ -100,8 +105,8 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(first_run):
     import mlflow
 
     _, result, _ = first_run
-    client = mlflow.MlflowClient(result["tracking_uri"])
-    run = client.get_run(result["run_id"])
+    client = mlflow.MlflowClient(result.tracking_uri)
+    run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["train.draft_vocab_size"] == "512"
     assert run.data.params["resolved.capture_ids_vllm"] == "[0, 2, 3, 4]"
@@ -109,30 +114,38 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(first_run):
     assert m["prepare/rows"] > 0 and m["extract/tokens_per_s"] > 0 and m["vocab/coverage"] == 1.0
     assert "train/loss" in m  # written by speculators' own MLflow logger into our run
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 8
-    assert run.data.tags["artifact.extract"] == result["results"]["extract"].key
+    assert run.data.tags["artifact.extract"] == result.results["extract"].key
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "manifests", "vocab", "draft"} <= arts
 
 
 def test_second_run_reuses_every_stage(first_run, tiny_model_dir, chats_jsonl):
     cfg, first, root = first_run
-    again = run_job(compose(tiny_overrides(tiny_model_dir, chats_jsonl, root)))
-    assert again["stages"] == {s: "cached" for s in ("prepare", "extract", "vocab", "train")}
-    assert {s: r.key for s, r in again["results"].items()} == {s: r.key for s, r in first["results"].items()}
+    again = run_job(compose(tiny(tiny_model_dir, chats_jsonl, root)))
+    assert again.stages == {s: "cached" for s in ("prepare", "extract", "vocab", "train")}
+    assert {s: r.key for s, r in again.results.items()} == {
+        s: r.key for s, r in first.results.items()
+    }
 
 
 def test_changing_a_training_setting_reruns_only_train(first_run, tiny_model_dir, chats_jsonl):
     _, first, root = first_run
-    changed = run_job(compose(tiny_overrides(tiny_model_dir, chats_jsonl, root, "train.lr=5e-4")))
-    assert changed["stages"] == {"prepare": "cached", "extract": "cached", "vocab": "cached", "train": "computed"}
-    assert changed["results"]["train"].key != first["results"]["train"].key
+    changed = run_job(compose(tiny(tiny_model_dir, chats_jsonl, root, "train.lr=5e-4")))
+    assert changed.stages == {
+        "prepare": "cached",
+        "extract": "cached",
+        "vocab": "cached",
+        "train": "computed",
+    }
+    assert changed.results["train"].key != first.results["train"].key
 
 
 def test_a_failed_stage_publishes_nothing(first_run, tiny_model_dir, chats_jsonl):
     from runner.errors import ConfigError
 
     _, _, root = first_run
-    cfg = compose(tiny_overrides(tiny_model_dir, chats_jsonl, root, "train.lr=7e-4", "+train.extra_args.no_such_flag=1"))
+    bad_flag = "+train.extra_args.no_such_flag=1"
+    cfg = compose(tiny(tiny_model_dir, chats_jsonl, root, "train.lr=7e-4", bad_flag))
     before = {p.name for p in (root / "store" / "train").iterdir()}
     with pytest.raises(ConfigError) as info:
         run_job(cfg)
@@ -141,50 +154,59 @@ def test_a_failed_stage_publishes_nothing(first_run, tiny_model_dir, chats_jsonl
     assert after == before  # no new artifact and no temporary folder left behind
 
 
-def test_a_stage_outside_run_stages_must_be_in_the_store(first_run, tiny_model_dir, chats_jsonl, tmp_path):
+def test_a_stage_outside_run_stages_must_be_in_the_store(
+    first_run, tiny_model_dir, chats_jsonl, tmp_path
+):
     from runner.errors import ConfigError
 
-    cfg = compose(tiny_overrides(tiny_model_dir, chats_jsonl, tmp_path, "run.stages=[vocab]"))
+    cfg = compose(tiny(tiny_model_dir, chats_jsonl, tmp_path, "run.stages=[vocab]"))
     with pytest.raises(ConfigError) as info:  # found in preflight, before anything loads
         run_job(cfg)
     assert info.value.key == "run.stages" and "run.stages=[prepare]" in info.value.message
 
 
-def test_a_cached_mapping_made_for_another_tokenizer_is_refused(first_run, tiny_model_dir, chats_jsonl):
+def test_a_cached_mapping_made_for_another_tokenizer_is_refused(
+    first_run, tiny_model_dir, chats_jsonl
+):
     from runner.errors import StageError
 
     _, first, root = first_run
-    manifest_path = first["results"]["vocab"].path / "manifest.json"
+    manifest_path = first.results["vocab"].path / "manifest.json"
     original = manifest_path.read_text()
     m = json.loads(original)
-    m["model"]["tokenizer_id"] = "0123456789abcdef"  # as if copied in from a run on another tokenizer
+    m["model"]["tokenizer_id"] = (
+        "0123456789abcdef"  # as if copied in from a run on another tokenizer
+    )
     manifest_path.write_text(json.dumps(m))
     try:
         with pytest.raises(StageError, match="another tokenizer"):
-            run_job(compose(tiny_overrides(tiny_model_dir, chats_jsonl, root)))
+            run_job(compose(tiny(tiny_model_dir, chats_jsonl, root)))
     finally:
         manifest_path.write_text(original)
 
 
-def test_extraction_self_test_passed_and_catches_a_wrong_final_slot(first_run, tiny_model_dir, monkeypatch):
+def test_extraction_self_test_passed_and_catches_a_wrong_final_slot(
+    first_run, tiny_model_dir, monkeypatch
+):
     import datasets
-    from omegaconf import OmegaConf
 
-    import runner.layer_ids as layer_ids
-    from stages.extract import TransformersBackend
+    import stages.extract.transformers_backend as tb
+    from runner.schema import typed
+    from runner.target_facts import resolve_target
 
     cfg, result, _ = first_run
-    m = json.loads((result["results"]["extract"].path / "manifest.json").read_text())["metrics"]
+    m = json.loads((result.results["extract"].path / "manifest.json").read_text())["metrics"]
     assert m["selftest_slots"] == 4 and m["selftest_next_token_agreement"] == 1.0
     # One layer off for the final slot (layer n-2's output): the target's own head no longer
     # reproduces its next tokens, and the self-test stops extraction.
-    from runner.validate import resolve_facts
-
-    real = layer_ids.hook_point
-    monkeypatch.setattr(layer_ids, "hook_point", lambda k, n: ("post", k - 2) if k == n else real(k, n))
-    f, _, _ = resolve_facts(cfg, Path(OmegaConf.select(cfg, "run.output_root")))
-    backend = TransformersBackend.from_config(cfg, f)
-    rows = datasets.load_from_disk(str(result["results"]["prepare"].path / "dataset")).with_format("torch")
+    real = tb.hook_point
+    monkeypatch.setattr(tb, "hook_point", lambda k, n: ("post", k - 2) if k == n else real(k, n))
+    run_cfg = typed(cfg)
+    facts = resolve_target(run_cfg, Path(run_cfg.run.output_root)).facts
+    backend = tb.TransformersBackend.from_config(run_cfg, facts)
+    rows = datasets.load_from_disk(str(result.results["prepare"].path / "dataset")).with_format(
+        "torch"
+    )
     with pytest.raises(RuntimeError, match="self-test"):
         backend.self_test(rows[0]["input_ids"])
     backend.close()

@@ -14,8 +14,14 @@ from tests.conftest import compose
 KIMI = str(Path(__file__).parent / "data" / "kimi_k25")
 # 100 rows x 512 tokens of Kimi hidden states plan 2.7 GiB: the plan's disk check must not depend
 # on how full the test machine's disk is (800 rows would need 21.9 GiB free).
-KIMI_BOX = ["model=kimi_k25", f"model.source={KIMI}", "hardware=blackwell8", "train=eagle3_gpu", "run.plan_only=true",
-            "data.num_samples=100"]
+KIMI_BOX = [
+    "model=kimi_k25",
+    f"model.source={KIMI}",
+    "hardware=blackwell8",
+    "train=eagle3_gpu",
+    "run.plan_only=true",
+    "data.num_samples=100",
+]
 
 
 def plan(tmp_path, *overrides):
@@ -24,32 +30,53 @@ def plan(tmp_path, *overrides):
 
 def test_kimi_on_blackwell8_plan_from_config_json_alone(tmp_path, capsys):
     result = plan(tmp_path)
-    p, facts, layout = result["plan"], result["facts"], result["layout"]
+    p, facts, layout = result.plan, result.target.facts, result.target.layout
     assert facts.capture_ids == (2, 30, 58, 61)
     assert layout.layers == "language_model.model.layers"
     n = p.numbers
-    assert n["bytes_per_token"] == 4 * 7168 * 2 + 8          # 56 KiB of hidden states per token
+    assert n["bytes_per_token"] == 4 * 7168 * 2 + 8  # 56 KiB of hidden states per token
     assert n["teacher_logits_bytes"] == 8192 * 32000 * 4
     assert n["full_vocab_logits_bytes"] == 8192 * 163840 * 4  # 640 KiB per token at full vocab
-    assert 60 * 2**30 < n["weight_bytes_per_gpu"] < 75 * 2**30  # INT4 experts: ~69 GB per GPU at TP 8
+    assert (
+        60 * 2**30 < n["weight_bytes_per_gpu"] < 75 * 2**30
+    )  # INT4 experts: ~69 GB per GPU at TP 8
     out = capsys.readouterr().out
-    for text in ("[1, 29, 57, 60]", "NCCL_P2P_LEVEL=SYS", "TP 8", "384 experts", "needs >= 0.18.0", "prepare:run"):
+    for text in (
+        "[1, 29, 57, 60]",
+        "NCCL_P2P_LEVEL=SYS",
+        "TP 8",
+        "384 experts",
+        "needs >= 0.18.0",
+        "prepare:run",
+    ):
         assert text in out, text
     assert not p.errors
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["model.capture_layers=[2,30,61]"], "model.capture_layers"),          # past the last aux layer (61 = n)
-    (["model.capture_layers=[2,30,30]"], "model.capture_layers"),          # duplicates
-    (["hardware.tensor_parallel_size=3"], "hardware.tensor_parallel_size"),  # 64 heads
-    (["hardware.tensor_parallel_size=4", "hardware.num_gpus=4"], "hardware.tensor_parallel_size"),  # 138 GiB/GPU > 96
-    (["train.draft_vocab_size=200000"], "train.draft_vocab_size"),         # above 163,840
-    (["data.num_samples=1000000000"], "data.num_samples"),                 # hidden states exceed free disk
-    (["model.trust_remote_code=false"], "model.trust_remote_code"),        # its tokenizer is custom code
-    (["model.num_layers=60"], "model.num_layers"),                         # declared fact vs config.json
-    (["model.architecture=DeepseekV3ForCausalLM"], "model.architecture"),
-    (["+model._target_=os.system"], "model._target_"),                     # the runner instantiates nothing
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (
+            ["model.capture_layers=[2,30,61]"],
+            "model.capture_layers",
+        ),  # past the last aux layer (61 = n)
+        (["model.capture_layers=[2,30,30]"], "model.capture_layers"),  # duplicates
+        (["hardware.tensor_parallel_size=3"], "hardware.tensor_parallel_size"),  # 64 heads
+        (
+            ["hardware.tensor_parallel_size=4", "hardware.num_gpus=4"],
+            "hardware.tensor_parallel_size",
+        ),  # 138 GiB/GPU > 96
+        (["train.draft_vocab_size=200000"], "train.draft_vocab_size"),  # above 163,840
+        (["data.num_samples=1000000000"], "data.num_samples"),  # hidden states exceed free disk
+        (
+            ["model.trust_remote_code=false"],
+            "model.trust_remote_code",
+        ),  # its tokenizer is custom code
+        (["model.num_layers=60"], "model.num_layers"),  # declared fact vs config.json
+        (["model.architecture=DeepseekV3ForCausalLM"], "model.architecture"),
+        (["+model._target_=os.system"], "model._target_"),  # the runner instantiates nothing
+    ],
+)
 def test_wrong_config_fails_in_preflight_with_the_key(tmp_path, overrides, key):
     with pytest.raises(ConfigError) as info:
         plan(tmp_path, *overrides)
@@ -57,9 +84,16 @@ def test_wrong_config_fails_in_preflight_with_the_key(tmp_path, overrides, key):
 
 
 def test_trust_remote_code_only_when_needed(tmp_path, tiny_model_dir):
-    cfg = ["model=hf", f"model.source={tiny_model_dir}", "model.name=tiny", "model.capture_layers=[1,2,3]",
-           "train.draft_vocab_size=512", "run.plan_only=true", f"run.output_root={tmp_path}"]
-    assert run_job(compose(cfg))["facts"].num_layers == 4
+    cfg = [
+        "model=hf",
+        f"model.source={tiny_model_dir}",
+        "model.name=tiny",
+        "model.capture_layers=[1,2,3]",
+        "train.draft_vocab_size=512",
+        "run.plan_only=true",
+        f"run.output_root={tmp_path}",
+    ]
+    assert run_job(compose(cfg)).target.facts.num_layers == 4
     with pytest.raises(ConfigError) as info:
         run_job(compose([*cfg, "model.trust_remote_code=true"]))
     assert info.value.key == "model.trust_remote_code"
@@ -68,7 +102,7 @@ def test_trust_remote_code_only_when_needed(tmp_path, tiny_model_dir):
 def test_an_old_vllm_is_refused_for_kimi(tmp_path, monkeypatch):
     import runner.preflight as pf
 
-    monkeypatch.setattr(pf, "installed_vllm", lambda: "0.17.1")
+    monkeypatch.setattr(pf, "lib_version", lambda *names: "0.17.1")
     with pytest.raises(ConfigError) as info:
         plan(tmp_path)
     assert info.value.key == "run.stages" and "0.18.0" in info.value.message
@@ -77,8 +111,18 @@ def test_an_old_vllm_is_refused_for_kimi(tmp_path, monkeypatch):
 def test_default_speculators_layers_collide_on_a_four_layer_model(tmp_path, tiny_model_dir):
     # [2, n//2, n-3] = [2, 2, 1] for n = 4: vLLM would crash on the duplicate; caught here.
     with pytest.raises(ConfigError) as info:
-        run_job(compose(["model=hf", f"model.source={tiny_model_dir}", "model.name=tiny", "train.draft_vocab_size=512",
-                         "run.plan_only=true", f"run.output_root={tmp_path}"]))
+        run_job(
+            compose(
+                [
+                    "model=hf",
+                    f"model.source={tiny_model_dir}",
+                    "model.name=tiny",
+                    "train.draft_vocab_size=512",
+                    "run.plan_only=true",
+                    f"run.output_root={tmp_path}",
+                ]
+            )
+        )
     assert info.value.key == "model.capture_layers"
 
 
@@ -89,28 +133,95 @@ def test_a_target_class_without_eagle3_support_in_vllm_is_refused(tmp_path, smol
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg = Gemma3TextConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     target = tmp_path / "gemma3"
     Gemma3ForCausalLM(cfg).save_pretrained(target)
     smollm2_tokenizer.save_pretrained(target)
-    base = ["model=hf", f"model.source={target}", "model.name=g3", "model.capture_layers=[1,2,3]",
-            "train.draft_vocab_size=512", "run.plan_only=true", f"run.output_root={tmp_path}"]
+    base = [
+        "model=hf",
+        f"model.source={target}",
+        "model.name=g3",
+        "model.capture_layers=[1,2,3]",
+        "train.draft_vocab_size=512",
+        "run.plan_only=true",
+        f"run.output_root={tmp_path}",
+    ]
     with pytest.raises(ConfigError) as info:
         run_job(compose([*base, "extract=vllm"]))
     assert info.value.key == "model.architecture"
     assert "Gemma3ForCausalLM" in info.value.message and "SupportsEagle3" in info.value.message
     # Without vLLM stages the same target plans fine (transformers extraction, training only).
-    assert not run_job(compose([*base, "run.stages=[prepare,extract,vocab,train]"]))["plan"].errors
+    assert not run_job(compose([*base, "run.stages=[prepare,extract,vocab,train]"])).plan.errors
 
 
-def test_a_vllm_without_hidden_state_extraction_is_refused_for_the_vllm_backend(tmp_path, monkeypatch):
+def test_a_vllm_without_hidden_state_extraction_is_refused_for_the_vllm_backend(
+    tmp_path, monkeypatch
+):
     import runner.preflight as pf
 
     # What the probe answers for a vLLM that predates the extract_hidden_states method.
-    monkeypatch.setattr(pf, "vllm_eagle3_support", lambda arch, version: {
-        "known": True, "eagle3": True, "cls": f"vllm.{arch}", "extract": False})
+    monkeypatch.setattr(
+        pf,
+        "vllm_eagle3_support",
+        lambda arch, version: {
+            "known": True,
+            "eagle3": True,
+            "cls": f"vllm.{arch}",
+            "extract": False,
+        },
+    )
     with pytest.raises(ConfigError) as info:
         plan(tmp_path, "extract=vllm")
     assert info.value.key == "extract.backend" and "extract_hidden_states" in info.value.message
-    assert not plan(tmp_path)["plan"].errors  # the transformers backend does not need it
+    assert not plan(tmp_path).plan.errors  # the transformers backend does not need it
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["model.capture_layers=[0,2,4]"], "model.capture_layers"),  # 4 = n is appended
+        (["model.capture_layers=[1,1,3]"], "model.capture_layers"),  # duplicates
+        (["model.capture_layers=[3,1]"], "model.capture_layers"),  # not ascending
+        (["model.capture_layers=[-1,2]"], "model.capture_layers"),
+        (["model.capture_layers=[1,2,3]", "extract.superset_presets=[default]"],
+         "extract.superset_presets"),  # [2, 2, 1] on 4 layers
+        (["model.capture_layers=[1,2,3]", "train.draft_vocab_size=60000"],
+         "train.draft_vocab_size"),  # above 49,152
+        (["model.capture_layers=[1,2,3]", "model.vocab_size=32000"], "model.vocab_size"),
+    ],
+)  # fmt: skip
+def test_config_against_the_targets_facts(tmp_path, tiny_model_dir, overrides, key):
+    base = ["model=hf", f"model.source={tiny_model_dir}", "model.name=tiny", "run.plan_only=true",
+            f"run.output_root={tmp_path}"]  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        run_job(compose([*base, *overrides]))
+    assert info.value.key == key
+
+
+def test_weights_estimate_counts_int4_experts_and_bf16_rest():
+    from runner.target_facts import weight_bytes
+    from runner.target_layout import TargetLayout
+
+    layout = TargetLayout(
+        architecture="X", wrapper=False, text_model="model", layers="model.layers",
+        norm="model.norm", embed="model.embed_tokens", lm_head="lm_head", num_layers=4,
+        hidden_size=8, vocab_size=100, num_attention_heads=2, num_key_value_heads=2,
+        num_experts=4, experts_per_token=2, tie_word_embeddings=False, text_params=10_000,
+        source="model",
+    )  # fmt: skip
+    plain = {"num_hidden_layers": 4}
+    assert weight_bytes(layout, plain) == (20_000.0, "bf16")
+    quant = {"first_k_dense_replace": 1, "moe_intermediate_size": 2, "quantization_config": {
+        "config_groups": {"g": {"weights": {"num_bits": 4, "group_size": 32}}}}}  # fmt: skip
+    experts = 3 * 4 * 3 * 8 * 2  # MoE layers x experts x (gate, up, down) x hidden x inter
+    estimate, kind = weight_bytes(layout, quant)
+    assert kind == "routed experts int4, rest bf16"
+    assert estimate == experts * (0.5 + 2 / 32) + (10_000 - experts) * 2

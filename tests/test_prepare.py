@@ -45,9 +45,11 @@ def test_truncation_cuts_ids_and_mask_together(smollm2_tokenizer):
 
 
 def test_opening_assistant_turn_is_context(smollm2_tokenizer):
-    turns = [{"role": "assistant", "content": "Hello, how can I help?"},
-             {"role": "user", "content": "Say hi."},
-             {"role": "assistant", "content": "Hi!"}]
+    turns = [
+        {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": "Hi!"},
+    ]
     ids, mask = tokenize_conversation(smollm2_tokenizer, turns, max_len=4096)
     assert [smollm2_tokenizer.decode(s) for s in _spans(ids, mask)] == ["Hi!<|im_end|>\n"]
 
@@ -74,7 +76,9 @@ def test_local_jsonl_and_parquet_sources(chats_jsonl, tmp_path):
     convs = load_conversations(cfg)
     assert len(convs) == 60 and convs[0][1]["content"].startswith("The capital of France is Paris.")
     parquet = tmp_path / "chats.parquet"
-    datasets.load_dataset("json", data_files=str(chats_jsonl), split="train").to_parquet(str(parquet))
+    datasets.load_dataset("json", data_files=str(chats_jsonl), split="train").to_parquet(
+        str(parquet)
+    )
     cfg = compose(["data=local_file", f"data.source={parquet}", "data.shuffle=false"]).data
     assert load_conversations(cfg) == convs
 
@@ -94,5 +98,7 @@ def test_missing_file_and_wrong_column_name_the_key(tmp_path, chats_jsonl):
         load_conversations(compose(["data=local_file", f"data.source={tmp_path}/nope.jsonl"]).data)
     assert info.value.key == "data.source"
     with pytest.raises(ConfigError) as info:
-        load_conversations(compose(["data=local_file", f"data.source={chats_jsonl}", "data.column=dialog"]).data)
+        load_conversations(
+            compose(["data=local_file", f"data.source={chats_jsonl}", "data.column=dialog"]).data
+        )
     assert info.value.key == "data.column"

@@ -11,11 +11,21 @@ from runner.store import MANIFEST, ArtifactStore, compute_key
 
 def test_key_depends_on_config_upstream_and_versions():
     base = compute_key("train", "1", {"lr": 1e-3}, {"extract": "a"}, {"speculators": "0.9.0"})
-    assert base == compute_key("train", "1", {"lr": 1e-3}, {"extract": "a"}, {"speculators": "0.9.0"})
-    assert base != compute_key("train", "1", {"lr": 2e-3}, {"extract": "a"}, {"speculators": "0.9.0"})
-    assert base != compute_key("train", "1", {"lr": 1e-3}, {"extract": "b"}, {"speculators": "0.9.0"})
-    assert base != compute_key("train", "1", {"lr": 1e-3}, {"extract": "a"}, {"speculators": "0.9.1"})
-    assert base != compute_key("train", "2", {"lr": 1e-3}, {"extract": "a"}, {"speculators": "0.9.0"})
+    assert base == compute_key(
+        "train", "1", {"lr": 1e-3}, {"extract": "a"}, {"speculators": "0.9.0"}
+    )
+    assert base != compute_key(
+        "train", "1", {"lr": 2e-3}, {"extract": "a"}, {"speculators": "0.9.0"}
+    )
+    assert base != compute_key(
+        "train", "1", {"lr": 1e-3}, {"extract": "b"}, {"speculators": "0.9.0"}
+    )
+    assert base != compute_key(
+        "train", "1", {"lr": 1e-3}, {"extract": "a"}, {"speculators": "0.9.1"}
+    )
+    assert base != compute_key(
+        "train", "2", {"lr": 1e-3}, {"extract": "a"}, {"speculators": "0.9.0"}
+    )
 
 
 def test_publish_is_atomic_and_records_files(tmp_path):
@@ -27,17 +37,21 @@ def test_publish_is_atomic_and_records_files(tmp_path):
     art = store.get("vocab", "k1")
     assert art is not None
     m = json.loads((art.path / MANIFEST).read_text())
-    assert m["files"] == [{"path": "d2t.npy", "bytes": 5,
-                           "sha256": "5994471abb01112afcc18159f6cc74b4f511b99806da59b3caf5a9c173cacfc5"}]
+    assert m["files"] == [
+        {
+            "path": "d2t.npy",
+            "bytes": 5,
+            "sha256": "5994471abb01112afcc18159f6cc74b4f511b99806da59b3caf5a9c173cacfc5",
+        }
+    ]
     assert m["total_bytes"] == 5 and m["seconds"] >= 0
 
 
 def test_an_interrupted_write_leaves_nothing(tmp_path):
     store = ArtifactStore(tmp_path)
-    with pytest.raises(KeyboardInterrupt):
-        with store.writing("extract", "k2", {}) as out:
-            (out / "hs_0.safetensors").write_bytes(b"partial")
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), store.writing("extract", "k2", {}) as out:
+        (out / "hs_0.safetensors").write_bytes(b"partial")
+        raise KeyboardInterrupt
     assert store.get("extract", "k2") is None
     assert list((tmp_path / "store" / "extract").iterdir()) == []
 

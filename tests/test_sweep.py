@@ -11,39 +11,24 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
-
-
-@pytest.fixture(scope="module")
-def tiny12_model_dir(tmp_path_factory, smollm2_tokenizer):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    out = tmp_path_factory.mktemp("tiny12")
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
-    smollm2_tokenizer.save_pretrained(out)
-    return out
+from runner.sweep import PARENT_ENV
+from tests.conftest import REPO, tiny_overrides
 
 
 def run_sweep(model_dir, chats, root, *sweep_args, samples=20, steps=2):
     """`python -m runner -m <sweep_args>` on the tiny model, in a fresh process as a user runs it."""
-    cmd = [sys.executable, "-m", "runner", "-m", *sweep_args,
-           "model=hf", f"model.source={model_dir}", "model.name=tiny12",
-           "data=local_file", f"data.source={chats}", f"data.num_samples={samples}", "data.max_seq_len=96",
-           "data.min_assistant_tokens=4", f"train.max_steps={steps}", "train.val_ratio=0.1", "train.epochs=1",
-           "run.stages=[prepare,extract,vocab,train]", f"run.output_root={root}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE3_PARENT_RUN_ID", "MLFLOW_TRACKING_URI")}
+    base = tiny_overrides(model_dir, chats, root, samples=samples, steps=steps, vocab=None)
+    cmd = [sys.executable, "-m", "runner", "-m", *sweep_args, *base]
+    env = {k: v for k, v in os.environ.items() if k not in (PARENT_ENV, "MLFLOW_TRACKING_URI")}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
 
 
 @pytest.fixture(scope="module")
 def sweep(tiny12_model_dir, chats_jsonl, tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep_out")
-    proc = run_sweep(tiny12_model_dir, chats_jsonl, root, "-cn", "capture_x_vocab", samples=30, steps=3)
+    proc = run_sweep(
+        tiny12_model_dir, chats_jsonl, root, "-cn", "capture_x_vocab", samples=30, steps=3
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root, proc.stdout
 
@@ -66,13 +51,17 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     root, stdout = sweep
     client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     exp = client.get_experiment_by_name("eagle3")
-    parents = client.search_runs([exp.experiment_id], filter_string="tags.`sweep.config` = 'capture_x_vocab'")
+    parents = client.search_runs(
+        [exp.experiment_id], filter_string="tags.`sweep.config` = 'capture_x_vocab'"
+    )
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     parent = parents[0].info.run_id
     rows = comparison_rows(client, parent)
     assert len(rows) == 9 and all(r["status"] == "FINISHED" for r in rows)
     combos = {(r["model.capture_preset"], r["train.draft_vocab_size"]) for r in rows}
-    assert combos == {(p, v) for p in ("default", "early", "late") for v in ("4096", "8192", "16384")}
+    assert combos == {
+        (p, v) for p in ("default", "early", "late") for v in ("4096", "8192", "16384")
+    }
     ids = {r["model.capture_preset"]: r["capture_ids"] for r in rows}
     assert ids == {"default": "[2, 6, 9, 12]", "early": "[1, 3, 6, 12]", "late": "[6, 9, 10, 12]"}
     assert all(r["vocab_coverage"] == 1.0 and r["train_loss"] > 0 for r in rows)
@@ -86,15 +75,23 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
 def test_report_prints_the_table_from_mlflow(sweep):
     root, _ = sweep
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    out = subprocess.run([sys.executable, "-m", "runner.report", "--output-root", str(root)], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "runner.report", "--output-root", str(root)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("sweep capture_x_vocab")
-    assert sum(1 for l in lines if "[6, 9, 10, 12]" in l) == 3
+    assert sum(1 for line in lines if "[6, 9, 10, 12]" in line) == 3
 
 
-def test_a_failed_job_is_a_failed_child_and_the_parent_still_closes(tiny12_model_dir, chats_jsonl, tmp_path):
+def test_a_failed_job_is_a_failed_child_and_the_parent_still_closes(
+    tiny12_model_dir, chats_jsonl, tmp_path
+):
     import mlflow
 
     from runner.sweep import comparison_rows
@@ -114,8 +111,18 @@ def test_a_failed_job_is_a_failed_child_and_the_parent_still_closes(tiny12_model
 def test_parallel_jobs_compute_each_shared_artifact_once(tiny12_model_dir, chats_jsonl, tmp_path):
     """Four capture-layer jobs, two at a time through the joblib launcher: the lock per artifact
     key lets one job compute prepare, extract and vocab while the other waits and reuses them."""
-    proc = run_sweep(tiny12_model_dir, chats_jsonl, tmp_path, "-cn", "capture_layers", "hydra/launcher=joblib",
-                     "hydra.launcher.n_jobs=2")
+    proc = run_sweep(
+        tiny12_model_dir,
+        chats_jsonl,
+        tmp_path,
+        "-cn",
+        "capture_layers",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    count = lambda stage: len([p for p in (tmp_path / "store" / stage).iterdir() if not p.name.startswith(".")])  # noqa: E731
-    assert (count("prepare"), count("extract"), count("vocab"), count("train")) == (1, 1, 1, 4)
+    counts = tuple(
+        len([p for p in (tmp_path / "store" / stage).iterdir() if not p.name.startswith(".")])
+        for stage in ("prepare", "extract", "vocab", "train")
+    )
+    assert counts == (1, 1, 1, 4)

@@ -34,8 +34,13 @@ from tests.conftest import REPO, compose
 
 pytestmark = pytest.mark.vllm
 
-REDUCED = ["data.num_samples=160", "train.epochs=1", "eval.num_prompts=40", "eval.max_new_tokens=64",
-           "eval.compare_target=false"]
+REDUCED = [
+    "data.num_samples=160",
+    "train.epochs=1",
+    "eval.num_prompts=40",
+    "eval.max_new_tokens=64",
+    "eval.compare_target=false",
+]
 ACCEPTANCE_TOLERANCE = 0.03
 SAMPLES_COMPARED = 12
 
@@ -49,8 +54,16 @@ def root(tmp_path_factory) -> Path:
 def runs(root):
     out = {}
     for backend in ("transformers", "vllm"):
-        out[backend] = run_job(compose([*REDUCED, f"extract={backend}", f"run.output_root={root}",
-                                        f"run.name=parity-{backend}"]))
+        out[backend] = run_job(
+            compose(
+                [
+                    *REDUCED,
+                    f"extract={backend}",
+                    f"run.output_root={root}",
+                    f"run.name=parity-{backend}",
+                ]
+            )
+        )
     return out
 
 
@@ -76,10 +89,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 def test_hidden_states_match_transformers_within_bf16(runs):
     from transformers import AutoModelForCausalLM
 
-    from stages.extract import TransformersBackend
+    from stages.extract.transformers_backend import TransformersBackend
 
-    hf_dir = runs["transformers"]["results"]["extract"].path
-    vl_dir = runs["vllm"]["results"]["extract"].path
+    hf_dir = runs["transformers"].results["extract"].path
+    vl_dir = runs["vllm"].results["extract"].path
     ids = json.loads((hf_dir / "capture_ids.json").read_text())
     assert json.loads((vl_dir / "capture_ids.json").read_text()) == ids == [2, 15, 27, 30]
     manifest = json.loads((vl_dir / "manifest.json").read_text())
@@ -91,10 +104,17 @@ def test_hidden_states_match_transformers_within_bf16(runs):
         h = load_file(str(hf_dir / "hidden_states" / f"hs_{i}.safetensors"))
         v = load_file(str(vl_dir / "hidden_states" / f"hs_{i}.safetensors"))
         assert torch.equal(h["token_ids"], v["token_ids"])
-        assert h["hidden_states"].shape == v["hidden_states"].shape and v["hidden_states"].dtype == torch.bfloat16
+        assert (
+            h["hidden_states"].shape == v["hidden_states"].shape
+            and v["hidden_states"].dtype == torch.bfloat16
+        )
         ref = exact.forward([h["token_ids"]])[0]
         for s in range(n):
-            hv, vv, r = h["hidden_states"][:, s].float(), v["hidden_states"][:, s].float(), ref[:, s]
+            hv, vv, r = (
+                h["hidden_states"][:, s].float(),
+                v["hidden_states"][:, s].float(),
+                ref[:, s],
+            )
             d, nr = _rel(vv, r)
             err_v[s] += d
             norm[s] += nr
@@ -104,56 +124,92 @@ def test_hidden_states_match_transformers_within_bf16(runs):
     for s, lid in enumerate(ids):
         rv, rh = (err_v[s] / norm[s]) ** 0.5, (err_h[s] / norm[s]) ** 0.5
         rows.append((lid, rv, rh, max_abs[s]))
-        print(f"slot {s} (vLLM id {lid}): rel. L2 vs fp32: vLLM {rv:.4f}, transformers bf16 {rh:.4f}; "
-              f"max |vLLM - transformers| {max_abs[s]:.3g}")
+        print(
+            f"slot {s} (vLLM id {lid}): rel. L2 vs fp32: vLLM {rv:.4f}, transformers bf16 {rh:.4f}; "
+            f"max |vLLM - transformers| {max_abs[s]:.3g}"
+        )
     for lid, rv, rh, _ in rows:
         assert rv <= 1.5 * rh, f"vLLM id {lid}: relative error {rv:.4f} vs bf16's own {rh:.4f}"
 
 
 def test_drafts_trained_on_either_backend_accept_alike_in_vllm(runs):
-    acc = {b: runs[b]["acceptance_length"] for b in runs}
-    ev = {b: json.loads((runs[b]["results"]["evaluate"].path / "summary.json").read_text()) for b in runs}
+    acc = {b: runs[b].objective for b in runs}
+    ev = {
+        b: json.loads((runs[b].results["evaluate"].path / "summary.json").read_text())
+        for b in runs
+    }
     for b in runs:
-        print(f"{b}: served acceptance length {acc[b]:.3f} (per position "
-              f"{[round(ev[b][f'acceptance_pos_{i}'], 3) for i in range(3)]}), teacher-forced estimate "
-              f"{ev[b].get('teacher_forced_acceptance_length', float('nan')):.3f}, "
-              f"extraction {runs[b]['results']['extract'].metrics['tokens_per_s']:.0f} tok/s")
-    assert min(acc.values()) > 1.03, "a draft barely above a random one (1.00): training saw broken states"
+        print(
+            f"{b}: served acceptance length {acc[b]:.3f} (per position "
+            f"{[round(ev[b][f'acceptance_pos_{i}'], 3) for i in range(3)]}), teacher-forced estimate "
+            f"{ev[b].get('teacher_forced_acceptance_length', float('nan')):.3f}, "
+            f"extraction {runs[b]['results']['extract'].metrics['tokens_per_s']:.0f} tok/s"
+        )
+    assert min(acc.values()) > 1.03, (
+        "a draft barely above a random one (1.00): training saw broken states"
+    )
     assert abs(acc["vllm"] - acc["transformers"]) <= ACCEPTANCE_TOLERANCE
 
 
 def test_vllm_extraction_resumes_and_redoes_unreadable_files(runs, root):
-    art = runs["vllm"]["results"]["extract"].path
+    art = runs["vllm"].results["extract"].path
     scratch = root / "scratch" / f"extract-{art.name}" / "hidden_states"
     scratch.mkdir(parents=True)
     for i in range(5):
         shutil.copy(art / "hidden_states" / f"hs_{i}.safetensors", scratch)
     good = (art / "hidden_states" / "hs_5.safetensors").read_bytes()
     (scratch / "hs_5.safetensors").write_bytes(good[: len(good) // 3])  # an interrupted copy
-    result = run_job(compose([*REDUCED, "extract=vllm", f"run.output_root={root}", "run.stages=[prepare,extract]",
-                              "run.force=[extract]", "run.name=resume"]))
-    m = result["results"]["extract"].metrics
+    result = run_job(
+        compose(
+            [
+                *REDUCED,
+                "extract=vllm",
+                f"run.output_root={root}",
+                "run.stages=[prepare,extract]",
+                "run.force=[extract]",
+                "run.name=resume",
+            ]
+        )
+    )
+    m = result.results["extract"].metrics
     assert (m["resumed_samples"], m["redone_unreadable"]) == (5, 1)
-    redone = load_file(str(result["results"]["extract"].path / "hidden_states" / "hs_5.safetensors"))
+    redone = load_file(
+        str(result.results["extract"].path / "hidden_states" / "hs_5.safetensors")
+    )
     assert redone["hidden_states"].shape[1] == 4 and torch.isfinite(redone["hidden_states"]).all()
     assert not scratch.exists(), "the resume folder is removed once the artifact is published"
 
 
 def test_a_request_that_keeps_failing_names_the_sample_and_leaves_no_server(root):
-    overrides = ["extract=vllm", "data.num_samples=8", f"run.output_root={root}", "run.stages=[prepare,extract]",
-                 # vLLM takes the last of repeated flags: every row is now too long for the server.
-                 "hardware.vllm.extra_args=[--max-model-len,'16']", "extract.max_retries=1", "run.name=failing"]
-    with pytest.raises(StageError, match=r"failed for sample \d+ .*after 1 retries each \(extract.max_retries\); "
-                                         r"sample \d+: .*maximum context length"):
+    overrides = [
+        "extract=vllm",
+        "data.num_samples=8",
+        f"run.output_root={root}",
+        "run.stages=[prepare,extract]",
+        # vLLM takes the last of repeated flags: every row is now too long for the server.
+        "hardware.vllm.extra_args=[--max-model-len,'16']",
+        "extract.max_retries=1",
+        "run.name=failing",
+    ]
+    with pytest.raises(
+        StageError,
+        match=r"failed for sample \d+ .*after 1 retries each \(extract.max_retries\); "
+        r"sample \d+: .*maximum context length",
+    ):
         run_job(compose(overrides))
     assert _servers_under(root) == []
 
 
 def _runner_until(args: list[str], root: Path, started) -> subprocess.Popen:
     """`python -m runner <args>` in a child, read until a line satisfies `started`; a server must be up."""
-    proc = subprocess.Popen([sys.executable, "-m", "runner", *args, f"run.output_root={root}"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", *args, f"run.output_root={root}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.stdout is not None
     seen = []
     for line in proc.stdout:
@@ -165,8 +221,16 @@ def _runner_until(args: list[str], root: Path, started) -> subprocess.Popen:
 
 
 def test_ctrl_c_while_the_server_loads_stops_it(root):
-    proc = _runner_until(["extract=vllm", "data.num_samples=8", "run.stages=[prepare,extract]", "run.name=interrupted"],
-                         root, lambda line: line.startswith("[vllm:extract]"))  # the server is up and logging
+    proc = _runner_until(
+        [
+            "extract=vllm",
+            "data.num_samples=8",
+            "run.stages=[prepare,extract]",
+            "run.name=interrupted",
+        ],
+        root,
+        lambda line: line.startswith("[vllm:extract]"),
+    )  # the server is up and logging
     proc.send_signal(signal.SIGINT)
     rest = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0
@@ -177,9 +241,17 @@ def test_ctrl_c_while_the_server_loads_stops_it(root):
 
 
 def test_a_server_that_dies_mid_extraction_ends_the_stage_with_its_log(runs, root):
-    proc = _runner_until([*REDUCED, "extract=vllm", "run.stages=[prepare,extract]", "run.force=[extract]",
-                          "run.name=server-killed"], root,
-                         lambda line: "Processing" in line and "Processing 1 samples" not in line)  # main pass begun
+    proc = _runner_until(
+        [
+            *REDUCED,
+            "extract=vllm",
+            "run.stages=[prepare,extract]",
+            "run.force=[extract]",
+            "run.name=server-killed",
+        ],
+        root,
+        lambda line: "Processing" in line and "Processing 1 samples" not in line,
+    )  # main pass begun
     for pid in _servers_under(root):
         os.kill(pid, signal.SIGKILL)  # e.g. the OOM killer
     t0 = time.time()

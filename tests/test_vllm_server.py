@@ -43,10 +43,16 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 def _server(tmp_path, mode: str, timeout_s: int = 60) -> VllmServer:
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
-    cfg = compose([f"hardware.vllm.command=[{sys.executable},{script},{mode}]",
-                   f"hardware.vllm.ready_timeout_s={timeout_s}", "hardware.vllm.stop_timeout_s=5"])
-    return VllmServer.from_config(cfg, "/models/target", ["--dtype", "bfloat16"], tmp_path / "logs" / "vllm.log",
-                                  label="test")
+    cfg = compose(
+        [
+            f"hardware.vllm.command=[{sys.executable},{script},{mode}]",
+            f"hardware.vllm.ready_timeout_s={timeout_s}",
+            "hardware.vllm.stop_timeout_s=5",
+        ]
+    )
+    return VllmServer.from_config(
+        cfg, "/models/target", ["--dtype", "bfloat16"], tmp_path / "logs" / "vllm.log", label="test"
+    )
 
 
 def _pids(server: VllmServer) -> list[int]:
@@ -80,18 +86,16 @@ def test_server_is_ready_logged_and_stopped_with_its_children(tmp_path):
 
 def test_server_stops_when_the_stage_fails(tmp_path):
     server = _server(tmp_path, "serve")
-    with pytest.raises(RuntimeError, match="stage failed"):
-        with server:
-            pids = _pids(server)
-            raise RuntimeError("stage failed")
+    with pytest.raises(RuntimeError, match="stage failed"), server:
+        pids = _pids(server)
+        raise RuntimeError("stage failed")
     assert not any(_alive(p) for p in pids)
 
 
 def test_a_server_that_exits_reports_its_code_and_log(tmp_path):
     server = _server(tmp_path, "exit3")
-    with pytest.raises(ServerError) as err:
-        with server:
-            pass
+    with pytest.raises(ServerError) as err, server:
+        pass
     assert "exited with code 3" in str(err.value) and "boom: engine core failed" in str(err.value)
 
 
@@ -108,26 +112,37 @@ def test_a_server_that_never_becomes_ready_times_out_and_is_killed(tmp_path):
 def test_real_vllm_rejecting_a_flag_fails_with_its_message(tmp_path):
     cfg = compose(["hardware.vllm.extra_args=[--max-model-len,not-a-number]"])
     server = VllmServer.from_config(cfg, str(tmp_path), [], tmp_path / "vllm.log", label="test")
-    with pytest.raises(ServerError) as err:
-        with server:
-            pass
+    with pytest.raises(ServerError) as err, server:
+        pass
     text = str(err.value)
-    assert "exited with code" in text and "max-model-len" in text and str(tmp_path / "vllm.log") in text
+    assert (
+        "exited with code" in text
+        and "max-model-len" in text
+        and str(tmp_path / "vllm.log") in text
+    )
 
 
 def test_spec_decode_counters_sum_engines_and_positions():
     # The exposition format vLLM's Prometheus endpoint writes (two engines, three positions).
-    text = "\n".join([
-        "# TYPE vllm:spec_decode_num_drafts counter",
-        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
-        'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0',
-        "# TYPE vllm:spec_decode_num_draft_tokens counter",
-        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 45.0',
-        "# TYPE vllm:spec_decode_num_accepted_tokens counter",
-        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 9.0',
-        "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter",
-        *[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{e}",model_name="m",position="{p}"}} {v}'
-          for e, vals in ((0, (4, 2, 1)), (1, (1, 1, 0))) for p, v in enumerate(vals)],
-    ]) + "\n"
+    text = (
+        "\n".join(
+            [
+                "# TYPE vllm:spec_decode_num_drafts counter",
+                'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+                'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0',
+                "# TYPE vllm:spec_decode_num_draft_tokens counter",
+                'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 45.0',
+                "# TYPE vllm:spec_decode_num_accepted_tokens counter",
+                'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 9.0',
+                "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter",
+                *[
+                    f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{e}",model_name="m",position="{p}"}} {v}'
+                    for e, vals in ((0, (4, 2, 1)), (1, (1, 1, 0)))
+                    for p, v in enumerate(vals)
+                ],
+            ]
+        )
+        + "\n"
+    )
     c = spec_decode_counters(text)
     assert c == {"drafts": 15, "draft_tokens": 45, "accepted": 9, "accepted_per_pos": [5, 3, 1]}

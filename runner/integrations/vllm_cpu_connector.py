@@ -1,4 +1,10 @@
-"""CPU adapter for vLLM's hidden-states connector (loaded by the vLLM server, never by the runner).
+"""Adapter to vLLM internals (checked against vLLM 0.32.0): its hidden-states connector on CPU.
+Loaded by the vLLM server (kv_connector_module_path), never by the runner: it imports vLLM.
+
+Private APIs touched: `ExampleHiddenStatesConnector._submit_async_write` (overridden) and the
+attributes and helpers it uses (`_is_tp_rank_zero`, `_kv_cache`, `_block_size`, `_lock_fds`,
+`use_lock`, `_executor`, `_write_tensors`, `_req_copy_events`, `_req_futures`,
+`_on_write_done`, `PendingSave`, `extract_from_kv_cache`).
 
 vLLM's `ExampleHiddenStatesConnector` writes each finished request's captured hidden states to
 a safetensors file, but its write path is CUDA-only: a side `torch.cuda.Stream`, pinned host
@@ -6,7 +12,7 @@ memory and a `torch.cuda.Event` that `get_finished` polls. On a CPU engine the c
 lives in host memory, so this subclass gathers the request's rows synchronously and hands the
 write thread an always-ready event. Everything else (lock files, file names, scheduler side) is
 vLLM's own. The extract stage selects it only when `hardware.device` is `cpu`, through
-`kv_transfer_config.kv_connector_module_path = "stages.vllm_cpu_connector"`.
+`kv_transfer_config.kv_connector_module_path = "runner.integrations.vllm_cpu_connector"`.
 """
 
 from __future__ import annotations
@@ -46,14 +52,20 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
         # Advanced indexing copies, so later writes into the cache cannot reach this tensor.
         hidden = extract_from_kv_cache(self._kv_cache, slot_mapping, pending.token_ids.shape[0])
         tensors = {"hidden_states": hidden.contiguous(), "token_ids": pending.token_ids.clone()}
-        assert pending.req_id not in self._req_futures, "Found another KV transfer request with same req_id!"
+        assert pending.req_id not in self._req_futures, (
+            "Found another KV transfer request with same req_id!"
+        )
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
-            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            lock_fd = os.open(
+                pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644
+            )
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
         ready = _Ready()
-        future = self._executor.submit(self._write_tensors, tensors, ready, pending.filename, lock_fd)
+        future = self._executor.submit(
+            self._write_tensors, tensors, ready, pending.filename, lock_fd
+        )
         self._req_copy_events[pending.req_id] = ready
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))

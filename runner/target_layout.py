@@ -64,7 +64,7 @@ class TargetLayout:
         return asdict(self)
 
 
-def _get(module: Any, path: str) -> Any:
+def get_module(module: Any, path: str) -> Any:
     for part in filter(None, path.split(".")):
         module = getattr(module, part)
     return module
@@ -87,8 +87,10 @@ def find_layers(model: Any, num_layers: int | None = None) -> tuple[str, Any]:
             candidates.append((name, module))
     if not candidates:
         found = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-        raise ValueError(f"no text decoder layer list{f' of length {num_layers}' if num_layers else ''} in "
-                         f"{type(model).__name__}; module lists: {found[:10]}. Set model.layout in conf/model.")
+        raise ValueError(
+            f"no text decoder layer list{f' of length {num_layers}' if num_layers else ''} in "
+            f"{type(model).__name__}; module lists: {found[:10]}. Set model.layout in conf/model."
+        )
     return min(candidates, key=lambda nm: nm[0].count("."))
 
 
@@ -98,35 +100,60 @@ def decoder_layers(model: Any, num_layers: int) -> Any:
 
 def _text_config(model: Any) -> Any:
     cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else getattr(cfg, "text_config", cfg)
+    return (
+        cfg.get_text_config()
+        if hasattr(cfg, "get_text_config")
+        else getattr(cfg, "text_config", cfg)
+    )
 
 
 def layout_from_model(model: Any, source: str = "model") -> TargetLayout:
     tc = _text_config(model)
     layers_path, layers = find_layers(model, getattr(tc, "num_hidden_layers", None))
     text_model = layers_path.rsplit(".", 1)[0] if "." in layers_path else ""
-    text = _get(model, text_model)
+    text = get_module(model, text_model)
     norm = next((n for n in ("norm", "final_layernorm", "ln_f") if hasattr(text, n)), None)
     embed = next((n for n in ("embed_tokens", "wte", "tok_embeddings") if hasattr(text, n)), None)
     vocab = tc.vocab_size
-    heads = [n for n, m in model.named_modules()
-             if n.rsplit(".", 1)[-1] in ("lm_head", "output") and getattr(m, "out_features", None) == vocab]
+    heads = [
+        n
+        for n, m in model.named_modules()
+        if n.rsplit(".", 1)[-1] in ("lm_head", "output")
+        and getattr(m, "out_features", None) == vocab
+    ]
     if norm is None or embed is None or not heads:
-        raise ValueError(f"{type(model).__name__}: text model at '{text_model}' lacks a final norm, embedding or "
-                         f"LM head (norm={norm}, embed={embed}, heads={heads}); set model.layout in conf/model")
+        raise ValueError(
+            f"{type(model).__name__}: text model at '{text_model}' lacks a final norm, embedding or "
+            f"LM head (norm={norm}, embed={embed}, heads={heads}); set model.layout in conf/model"
+        )
     lm_head = min(heads, key=lambda n: n.count("."))
     return TargetLayout(
-        architecture=type(model).__name__, wrapper=hasattr(model.config, "text_config") or text_model.count(".") > 0,
-        text_model=text_model, layers=layers_path, norm=_join(text_model, norm), embed=_join(text_model, embed),
-        lm_head=lm_head, num_layers=len(layers), hidden_size=tc.hidden_size, vocab_size=vocab,
+        architecture=type(model).__name__,
+        wrapper=hasattr(model.config, "text_config") or text_model.count(".") > 0,
+        text_model=text_model,
+        layers=layers_path,
+        norm=_join(text_model, norm),
+        embed=_join(text_model, embed),
+        lm_head=lm_head,
+        num_layers=len(layers),
+        hidden_size=tc.hidden_size,
+        vocab_size=vocab,
         num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
-        num_experts=int(getattr(tc, "n_routed_experts", None) or getattr(tc, "num_local_experts", None)
-                        or getattr(tc, "num_experts", None) or 0),
+        num_experts=int(
+            getattr(tc, "n_routed_experts", None)
+            or getattr(tc, "num_local_experts", None)
+            or getattr(tc, "num_experts", None)
+            or 0
+        ),
         experts_per_token=int(getattr(tc, "num_experts_per_tok", None) or 0),
         tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)),
-        text_params=sum(p.numel() for p in _get(model, text_model).parameters())
-        + (0 if getattr(tc, "tie_word_embeddings", False) else _get(model, lm_head).weight.numel()),
+        text_params=sum(p.numel() for p in get_module(model, text_model).parameters())
+        + (
+            0
+            if getattr(tc, "tie_word_embeddings", False)
+            else get_module(model, lm_head).weight.numel()
+        ),
         source=source,
     )
 
@@ -150,7 +177,9 @@ def _known_to_transformers(model_type: str | None) -> bool:
     return bool(model_type) and model_type in CONFIG_MAPPING
 
 
-def layout_from_config(config: dict[str, Any], override: dict[str, str] | None = None) -> TargetLayout:
+def layout_from_config(
+    config: dict[str, Any], override: dict[str, str] | None = None
+) -> TargetLayout:
     """The layout of a target from its config.json contents alone (nothing downloaded, no remote code)."""
     import dataclasses
 
@@ -158,12 +187,18 @@ def layout_from_config(config: dict[str, Any], override: dict[str, str] | None =
 
     override = {k: v for k, v in (override or {}).items() if v}
     arch = (config.get("architectures") or ["unknown"])[0]
-    clean = {k: v for k, v in config.items() if k not in ("auto_map", "quantization_config", "architectures")}
+    clean = {
+        k: v
+        for k, v in config.items()
+        if k not in ("auto_map", "quantization_config", "architectures")
+    }
     model_type = clean.get("model_type")
     if _known_to_transformers(model_type) and arch not in WRAPPER_PREFIXES:
         hf = AutoConfig.for_model(**clean)
         hf.architectures = [arch]
-        layout = layout_from_model(_build_meta(hf, causal_lm=not hasattr(hf, "text_config")), source="transformers")
+        layout = layout_from_model(
+            _build_meta(hf, causal_lm=not hasattr(hf, "text_config")), source="transformers"
+        )
         if arch != "unknown":
             layout = dataclasses.replace(layout, architecture=arch)
     else:
@@ -171,8 +206,10 @@ def layout_from_config(config: dict[str, Any], override: dict[str, str] | None =
         text = dict(clean.get("text_config") or clean)
         text_type = TEXT_MODEL_TYPE_ALIASES.get(text.get("model_type"), text.get("model_type"))
         if not _known_to_transformers(text_type):
-            raise ValueError(f"config model_type {model_type!r} (text {text.get('model_type')!r}) is unknown to "
-                             "transformers; set model.layout in conf/model and the text fields by hand")
+            raise ValueError(
+                f"config model_type {model_type!r} (text {text.get('model_type')!r}) is unknown to "
+                "transformers; set model.layout in conf/model and the text fields by hand"
+            )
         text["model_type"] = text_type
         text.pop("auto_map", None)
         hf_text = AutoConfig.for_model(**text)
@@ -181,18 +218,32 @@ def layout_from_config(config: dict[str, Any], override: dict[str, str] | None =
             prefix, lm_head = WRAPPER_PREFIXES[arch]
         elif "text_config" in clean:
             if "text_model" not in override:
-                raise ValueError(f"wrapper {arch} is unknown to transformers and to the runner's registry; "
-                                 "set model.layout.text_model and model.layout.lm_head in conf/model")
+                raise ValueError(
+                    f"wrapper {arch} is unknown to transformers and to the runner's registry; "
+                    "set model.layout.text_model and model.layout.lm_head in conf/model"
+                )
             prefix, lm_head = override["text_model"], override.get("lm_head", "lm_head")
         else:
             prefix, lm_head = inner.text_model, inner.lm_head
-        rename = lambda p: _join(prefix, p.split(".", 1)[1] if p.startswith(inner.text_model + ".") else p)  # noqa: E731
+        rename = lambda p: _join(
+            prefix, p.split(".", 1)[1] if p.startswith(inner.text_model + ".") else p
+        )  # noqa: E731
         layout = dataclasses.replace(
-            inner, architecture=arch, wrapper="text_config" in clean, text_model=prefix,
-            layers=rename(inner.layers), norm=rename(inner.norm), embed=rename(inner.embed), lm_head=lm_head,
+            inner,
+            architecture=arch,
+            wrapper="text_config" in clean,
+            text_model=prefix,
+            layers=rename(inner.layers),
+            norm=rename(inner.norm),
+            embed=rename(inner.embed),
+            lm_head=lm_head,
         )
     if override:
-        fields = {k: v for k, v in override.items() if k in ("text_model", "layers", "norm", "embed", "lm_head")}
+        fields = {
+            k: v
+            for k, v in override.items()
+            if k in ("text_model", "layers", "norm", "embed", "lm_head")
+        }
         if fields.get("text_model") and "layers" not in fields:
             tm = fields["text_model"]
             fields.update(layers=f"{tm}.layers", norm=f"{tm}.norm", embed=f"{tm}.embed_tokens")

@@ -1,0 +1,107 @@
+"""Every check of a run's config, in one pass and one place each.
+
+`check_config(cfg)` runs the checks that need nothing but the config (each beside its field in
+runner/schema.py). `check_target(cfg, target)` runs the ones that need the target's facts, read
+from its config files in seconds (runner/target_facts.py). Both raise `ConfigError` naming the
+key to change. What depends on this machine (free disk, the installed vLLM) is checked while the
+plan is built (runner/preflight.py).
+"""
+
+from __future__ import annotations
+
+from runner.errors import ConfigError
+from runner.layer_ids import CAPTURE_PRESETS
+from runner.schema import RunnerConfig
+from runner.stage import stage_names
+from runner.target_facts import Target, weight_bytes
+
+GiB = 1 << 30
+# Above this share of a GPU the weights leave no room for activations and KV cache.
+WEIGHTS_MAX_GPU_SHARE = 0.95
+
+
+def check_config(cfg: RunnerConfig) -> None:
+    cfg.check(stage_names())
+
+
+def check_aux_layers(layers: list[int] | tuple[int, ...], n: int, key: str) -> None:
+    if not layers:
+        raise ConfigError(key, "needs at least one auxiliary layer id")
+    if len(set(layers)) != len(layers):
+        raise ConfigError(
+            key,
+            f"{list(layers)} has duplicates; vLLM de-duplicates ids and the draft's input width "
+            "would no longer match",
+        )
+    for lid in layers:
+        if not 0 <= lid < n:
+            hint = (
+                " (the final layer n is appended automatically; list auxiliary layers only)"
+                if lid == n
+                else ""
+            )
+            raise ConfigError(
+                key, f"layer id {lid} is outside 0..{n - 1} for a {n}-layer target{hint}"
+            )
+    if list(layers) != sorted(layers):
+        raise ConfigError(
+            key,
+            f"{list(layers)} must be ascending (vLLM sorts them; the draft would see its inputs "
+            "in another order)",
+        )
+
+
+def check_target(cfg: RunnerConfig, target: Target) -> None:
+    m, facts, layout = cfg.model, target.facts, target.layout
+    reasons = target.remote_code_reasons
+    if reasons and not m.trust_remote_code:
+        raise ConfigError(
+            "model.trust_remote_code",
+            f"{'; '.join(reasons)}. Set model.trust_remote_code=true if you trust {m.source}",
+        )
+    if m.trust_remote_code and not reasons:
+        raise ConfigError(
+            "model.trust_remote_code",
+            f"is true but {m.source} needs no custom code (transformers ships its classes and "
+            "its tokenizer); set it false so that no downloaded code runs",
+        )
+    arch = (target.config.get("architectures") or [None])[0]
+    if m.architecture and arch and m.architecture != arch:
+        raise ConfigError(
+            "model.architecture", f"expects {m.architecture} but config.json says {arch}"
+        )
+    for name in ("num_layers", "hidden_size", "vocab_size"):
+        declared, actual = getattr(m, name), getattr(layout, name)
+        if declared is not None and declared != actual:
+            raise ConfigError(
+                f"model.{name}", f"declares {declared} but the target's config.json says {actual}"
+            )
+    n = facts.num_layers
+    check_aux_layers(facts.aux_layers, n, "model.capture_layers")
+    for preset in cfg.extract.superset_presets:
+        check_aux_layers(CAPTURE_PRESETS[preset](n), n, "extract.superset_presets")
+    if cfg.train.draft_vocab_size > facts.vocab_size:
+        raise ConfigError(
+            "train.draft_vocab_size",
+            f"{cfg.train.draft_vocab_size} is larger than the target's vocab ({facts.vocab_size})",
+        )
+    tp = cfg.hardware.tensor_parallel_size
+    heads, kv = layout.num_attention_heads, layout.num_key_value_heads
+    if heads % tp:
+        raise ConfigError(
+            "hardware.tensor_parallel_size",
+            f"TP {tp} does not divide the target's {heads} attention heads",
+        )
+    if kv % tp and tp % kv:
+        raise ConfigError(
+            "hardware.tensor_parallel_size",
+            f"TP {tp} and the target's {kv} KV heads do not divide one another",
+        )
+    gpu_gib = cfg.hardware.gpu_memory_gib
+    per_gpu = weight_bytes(layout, target.config)[0] / tp
+    if gpu_gib and per_gpu > WEIGHTS_MAX_GPU_SHARE * gpu_gib * GiB:
+        raise ConfigError(
+            "hardware.tensor_parallel_size",
+            f"~{per_gpu / GiB:.1f} GiB of weights per GPU do not fit {gpu_gib:g} GiB; "
+            "raise TP / GPUs",
+        )

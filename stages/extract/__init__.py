@@ -1,0 +1,213 @@
+"""Stage `extract`: hidden states of the capture layers for every prepared row, in speculators'
+format.
+
+Run alone: `python -m runner run.stages=[extract]` (prepare must be in the store or run too).
+Writes `hidden_states/hs_{i}.safetensors` for row i of the prepared dataset, each holding
+`hidden_states` [seq, n_capture, hidden] (the last slot is the final decoder layer's output
+before the final norm) and `token_ids` [seq], plus `layer_stats.json` and `capture_ids.json`.
+
+Two backends (`extract.backend`), one module each in this package, with the same files as
+output, so later stages cannot tell them apart:
+- `transformers_backend`: the target in process with forward hooks on its decoder layers.
+- `vllm_backend`: a vLLM server the runner starts, driven by speculators' data-generation client.
+Each exposes `extract(ctx, rows, out_dir, stats)`, which writes hs_{i}.safetensors for row i,
+feeds `stats`, and returns at least tokens, seconds and tokens_per_s.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from runner.layer_ids import hook_point
+from runner.preflight import Plan, fmt_bytes, free_bytes
+from runner.schema import DTYPE_BYTES, RunnerConfig
+from runner.stage import PlanView, Stage, StageContext
+from runner.target_facts import ModelFacts
+from runner.versions import VLLM_DISTS, versions
+
+log = logging.getLogger("runner")
+# Per file beside the states: the token ids' header and bookkeeping, roughly.
+_FILE_OVERHEAD_PER_TOKEN = 8
+
+
+def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
+    return {
+        "weights": facts.weights_id,
+        "capture_ids": list(facts.extract_ids),
+        "dtype": cfg.hardware.dtype,
+        "backend": cfg.extract.backend,
+        # The vLLM backend's states depend on the engine and on speculators' client as well.
+        **(
+            {"engines": versions({"vllm": VLLM_DISTS, "speculators": ("speculators",)})}
+            if cfg.extract.backend == "vllm"
+            else {}
+        ),
+    }
+
+
+class LayerStats:
+    """Running per-slot statistics over real (unpadded) positions.
+
+    Accumulators live on the device the states come from and are read once at the end, so
+    collecting them never stalls the GPU; each row is reduced as a view (no upcast copy of the
+    batch), in float32 per row and float64 across rows.
+    """
+
+    def __init__(self, ids: tuple[int, ...]):
+        self.ids = ids
+        self.count = 0
+        self._acc: dict[str, Any] | None = None
+
+    def _init(self, device: Any) -> dict[str, Any]:
+        import torch
+
+        n = len(self.ids)
+        z = lambda: torch.zeros(n, dtype=torch.float64, device=device)  # noqa: E731
+        return {
+            "sum": z(),
+            "sumsq": z(),
+            "max": torch.full((n,), float("-inf"), dtype=torch.float64, device=device),
+            "min": torch.full((n,), float("inf"), dtype=torch.float64, device=device),
+            "nonfinite": z(),
+        }
+
+    def update_batch(self, stacked: Any, lengths: list[int]) -> None:
+        """Add a batch [batch, seq, slots, hidden] whose row r is real up to lengths[r]."""
+        import torch
+
+        acc = self._acc = self._acc or self._init(stacked.device)
+        for r, n in enumerate(lengths):
+            x = stacked[r, :n]  # [seq, slots, hidden], a view
+            s = x.sum(dim=(0, 2), dtype=torch.float32)
+            sq = torch.linalg.vector_norm(x, dim=(0, 2), dtype=torch.float32) ** 2
+            acc["sum"] += s.double()
+            acc["sumsq"] += sq.double()
+            acc["max"] = torch.maximum(acc["max"], x.amax(dim=(0, 2)).double())
+            acc["min"] = torch.minimum(acc["min"], x.amin(dim=(0, 2)).double())
+            # Non-finite values are rare; count them exactly (an extra pass) only when a row's sum says so.
+            bad = ~torch.isfinite(s + sq)
+            acc["nonfinite"] += torch.where(bad, (~torch.isfinite(x)).sum(dim=(0, 2)).double(), 0.0)
+            self.count += n * x.shape[2]
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        acc = {k: v.cpu() for k, v in (self._acc or self._init("cpu")).items()}
+        out = {}
+        n = max(self.count, 1)
+        for i, lid in enumerate(self.ids):
+            mean = acc["sum"][i].item() / n
+            ms = acc["sumsq"][i].item() / n
+            out[f"layer_{lid}"] = {
+                "mean": mean,
+                "std": max(ms - mean * mean, 0.0) ** 0.5,
+                "rms": ms**0.5,
+                "max_abs": max(abs(acc["max"][i].item()), abs(acc["min"][i].item()))
+                if self.count
+                else 0.0,
+                "nonfinite_fraction": acc["nonfinite"][i].item() / n,
+            }
+        return out
+
+
+def write_sample(path: Path, hidden_states: Any, token_ids: Any) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_suffix(".tmp")
+    save_file(
+        {"hidden_states": hidden_states.contiguous(), "token_ids": token_ids.contiguous()}, str(tmp)
+    )
+    tmp.rename(path)
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    import datasets  # slow imports: only when the stage runs
+    import torch
+
+    data = datasets.load_from_disk(str(ctx.inputs["prepare"].path / "dataset"))
+    rows = [torch.as_tensor(x, dtype=torch.long) for x in data.with_format(None)["input_ids"]]
+    out_dir = ctx.out / "hidden_states"
+    out_dir.mkdir()
+    stats = LayerStats(ctx.facts.extract_ids)
+    backend = importlib.import_module(f"stages.extract.{ctx.cfg.extract.backend}_backend")
+    timing = backend.extract(ctx, rows, out_dir, stats)
+    layer_stats = stats.as_dict()
+    (ctx.out / "layer_stats.json").write_text(json.dumps(layer_stats, indent=2))
+    # Which vLLM layer id each slot of the files holds (train selects its own from these).
+    (ctx.out / "capture_ids.json").write_text(json.dumps(list(ctx.facts.extract_ids)))
+    written = sum(p.stat().st_size for p in out_dir.iterdir())
+    total_tokens = int(timing.pop("tokens"))
+    return {
+        "samples": len(rows),
+        "tokens": total_tokens,
+        "extract_s": timing.pop("seconds"),
+        "bytes": written,
+        "bytes_per_token": written / total_tokens,
+        "slots": len(ctx.facts.extract_ids),
+        **timing,
+        **{f"{layer}/{name}": v for layer, st in layer_stats.items() for name, v in st.items()},
+    }
+
+
+def plan(p: Plan, view: PlanView) -> None:
+    cfg, facts = view.cfg, view.target.facts
+    ext = list(facts.extract_ids)
+    if ext != list(facts.capture_ids):
+        p.add(
+            "extracted (shared)",
+            f"{ext}: the sweep's union; this job trains on slots {list(facts.train_slots)}",
+        )
+    if cfg.extract.backend == "vllm":
+        x = cfg.extract
+        p.add(
+            "extract backend",
+            f"vLLM server, extract_hidden_states with eagle_aux_hidden_state_layer_ids {ext}, "
+            f"chunked prefill and prefix caching off, {x.concurrency} requests in flight, "
+            f"{x.max_retries} retries per sample",
+        )
+    else:
+        hooks = [f"{w}:{i}" for w, i in (hook_point(k, facts.num_layers) for k in ext)]
+        p.add("transformers hooks", ", ".join(hooks))
+    # Hidden states on disk: the prepared token count if prepare is cached, else an upper bound.
+    bpt = len(ext) * facts.hidden_size * DTYPE_BYTES[cfg.hardware.dtype] + _FILE_OVERHEAD_PER_TOKEN
+    prepared = view.cached_metrics("prepare")
+    tokens = int(prepared["tokens"]) if prepared else None
+    tokens_est = tokens or cfg.data.num_samples * cfg.data.max_seq_len
+    need, free = bpt * tokens_est, free_bytes(view.output_root)
+    p.numbers.update(bytes_per_token=bpt, hidden_state_bytes=need, free_bytes=free)
+    bound = "" if tokens else " (upper bound: num_samples x max_seq_len)"
+    p.add(
+        "hidden states",
+        f"{fmt_bytes(bpt)}/token x {tokens_est:,} tokens{bound} = {fmt_bytes(need)}; "
+        f"free at {view.output_root}: {fmt_bytes(free)}",
+    )
+    if view.actions.get("extract") != "run":
+        return
+    if need > free:
+        p.error(
+            "data.num_samples",
+            f"extraction needs {fmt_bytes(need)} but {view.output_root} has {fmt_bytes(free)} "
+            "free; lower data.num_samples / data.max_seq_len or move run.output_root",
+        )
+    elif need > 0.8 * free:
+        p.warn("run.output_root", f"extraction will fill {need / free:.0%} of the free disk")
+
+
+STAGE = Stage(
+    name="extract",
+    key_config=key_config,
+    run=run,
+    upstream=("prepare",),
+    version="1",
+    libraries={"torch": ("torch",), "transformers": ("transformers",)},
+    identities=("tokenizer_id", "weights_id"),
+    logged={"layer_stats.json": "extract", "logs": "extract/logs"},
+    plan=plan,
+    vllm_features=lambda cfg: (
+        ("eagle3", "extract_hidden_states") if cfg.extract.backend == "vllm" else ()
+    ),
+    # The vLLM backend keeps finished sample files in scratch: a re-run resumes from them.
+    resumable=True,
+)

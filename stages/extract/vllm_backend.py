@@ -1,0 +1,224 @@
+"""The `vllm` backend of stage `extract`: hidden states from a vLLM server the runner starts.
+
+Selected with `python -m runner extract=vllm` (or `extract.backend=vllm`). The server runs the
+target with the `extract_hidden_states` speculative method (capture ids in vLLM's convention,
+final layer before the norm included) and vLLM's hidden-states connector, which writes one
+safetensors file per request; on CPU the connector is `runner.integrations.vllm_cpu_connector`. Requests are
+sent by speculators' own data-generation client (`speculators generate-offline-data` as a
+function: its request loop, retries, lock waits, moves and output checks), one per prepared row,
+so the files are `hs_{i}.safetensors` with `hidden_states` [seq, slots, hidden] and `token_ids`,
+exactly what the transformers backend writes.
+
+Resume: files land in the stage's scratch folder, which survives a failed or interrupted run;
+the next run skips samples whose files are readable and redoes unreadable ones (speculators'
+check). Once every row has a valid file they are moved into the artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from safetensors.torch import load_file
+from speculators.cli.generate_offline_data import generate_offline_data
+from speculators.data_generation.offline import (
+    check_hidden_states,
+    find_corrupt_hidden_state_indices,
+    get_existing_hidden_state_indices,
+)
+
+from runner.errors import StageError
+from runner.integrations.speculators import recording_skips
+from runner.schema import RunnerConfig
+from runner.stage import StageContext
+from runner.target_facts import ModelFacts
+from runner.vllm_server import VllmServer, engine_args, quiet_http_logs
+from stages.extract import LayerStats
+
+log = logging.getLogger("runner")
+CPU_CONNECTOR_MODULE = "runner.integrations.vllm_cpu_connector"
+
+
+def server_args(cfg: RunnerConfig, facts: ModelFacts, staging: Path) -> list[str]:
+    """Flags for an extraction server, all derived from the composed config."""
+    cpu = cfg.hardware.device == "cpu"
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {
+            "hf_config": {"eagle_aux_hidden_state_layer_ids": list(facts.extract_ids)}
+        },
+    }
+    kv = {
+        "kv_connector": "CpuHiddenStatesConnector" if cpu else "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(staging)},
+    }
+    if cpu:
+        kv["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
+    # Each prepared row plus the one generated token.
+    return [
+        *engine_args(cfg, cfg.data.max_seq_len + 1),
+        # Both corrupt captured states in some vLLM versions (speculators #279, #283, #994).
+        "--no-enable-chunked-prefill",
+        "--no-enable-prefix-caching",
+        "--speculative-config",
+        json.dumps(spec),
+        "--kv-transfer-config",
+        json.dumps(kv),
+    ]
+
+
+def _run_client(
+    server: VllmServer,
+    requests_dir: Path,
+    out_dir: Path,
+    cfg: RunnerConfig,
+    max_samples: int | None,
+) -> dict[int, str]:
+    """speculators' data-generation client against the server; the samples it gave up on."""
+    e = cfg.extract
+    with recording_skips() as rec, quiet_http_logs():
+        try:
+            generate_offline_data(
+                model=server.model_id,
+                endpoint=server.url,
+                preprocessed_data=str(requests_dir),
+                output=str(out_dir),
+                max_samples=max_samples,
+                concurrency=e.concurrency,
+                validate_outputs=True,
+                request_timeout=e.request_timeout_s,
+                max_retries=e.max_retries,
+                fail_on_error=False,
+                # Isolated failures are collected and reported by sample below; this many in a
+                # row (after retries) means the server is gone, and the client stops instead of
+                # retrying every remaining sample against it.
+                max_consecutive_errors=2 * e.concurrency,
+                world_size=1,
+                rank=0,
+            )
+        except SystemExit as exc:
+            if exc.code == 130:
+                raise KeyboardInterrupt from None
+            server.check_alive()  # a dead server is the reason: say so, with its log
+            if rec.failed:
+                raise StageError(_failed_samples(rec.failed, cfg, out_dir)) from None
+            raise StageError(
+                f"speculators' data-generation client failed (exit {exc.code}); see the log "
+                f"above and {server.log_path}"
+            ) from None
+    return rec.failed
+
+
+def _failed_samples(why: dict[int, str], cfg: RunnerConfig, done_dir: Path) -> str:
+    shown = sorted(why)[:10]
+    more = " ..." if len(why) > len(shown) else ""
+    reasons = "; ".join(f"sample {i}: {why[i]}" for i in shown[:3])
+    return (
+        f"vLLM extraction failed for sample{'s' if len(why) > 1 else ''} "
+        f"{', '.join(map(str, shown))}{more} ({len(why)} in all) after "
+        f"{cfg.extract.max_retries} retries each (extract.max_retries); {reasons}. Files written "
+        f"so far stay in {done_dir}; a re-run redoes only the missing samples."
+    )
+
+
+def extract(
+    ctx: StageContext, rows: Sequence[Any], out_dir: Path, stats: LayerStats
+) -> dict[str, Any]:
+    cfg, facts = ctx.cfg, ctx.facts
+    scratch: Path = ctx.scratch
+    done_dir = scratch / "hidden_states"  # survives failures: the next run resumes from it
+    staging = (
+        scratch / "vllm_staging"
+    )  # where the connector writes; same filesystem, so moves are renames
+    requests_dir = scratch / "requests"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(requests_dir, ignore_errors=True)
+    for d in (done_dir, staging):
+        d.mkdir(parents=True, exist_ok=True)
+    present = get_existing_hidden_state_indices(done_dir)
+    unreadable = find_corrupt_hidden_state_indices(done_dir, present)
+    before = {f"hs_{i}.safetensors" for i in present if i not in unreadable}
+    if present:
+        log.info(
+            "[extract] resuming from %s: %d readable sample files kept, %d unreadable ones redone",
+            done_dir,
+            len(before),
+            len(unreadable),
+        )
+
+    datasets.Dataset.from_dict({"input_ids": [r.tolist() for r in rows]}).with_format(
+        "torch"
+    ).save_to_disk(str(requests_dir))
+    # The log lives in scratch while the server runs (kept there if the stage fails), then in the artifact.
+    log_path = scratch / "logs" / "vllm_extract.log"
+    server = VllmServer.from_config(
+        cfg, facts.path, server_args(cfg, facts, staging), log_path, label="extract"
+    )
+    with server:
+        # One sample first: a server that writes the wrong slots fails here, not after every row.
+        failed = _run_client(server, requests_dir, done_dir, cfg, max_samples=1)
+        first = done_dir / "hs_0.safetensors"
+        if failed or not first.exists():
+            server.check_alive()
+            raise StageError(_failed_samples(failed or {0: "no file written"}, cfg, done_dir))
+        got = load_file(str(first))["hidden_states"].shape
+        want = (len(rows[0]), len(facts.extract_ids))
+        if tuple(got[:2]) != want:
+            raise StageError(
+                f"vLLM wrote hidden states of shape {tuple(got)} for sample 0; expected "
+                f"[{want[0]}, {want[1]}, hidden] for capture ids {list(facts.extract_ids)}"
+            )
+        t0 = time.time()
+        failed = _run_client(server, requests_dir, done_dir, cfg, max_samples=None)
+        seconds = time.time() - t0
+        server.check_alive()
+        start_s = server.start_s
+    missing = [i for i in range(len(rows)) if not (done_dir / f"hs_{i}.safetensors").exists()]
+    bad = find_corrupt_hidden_state_indices(done_dir, list(range(len(rows))))
+    if missing or bad:
+        raise StageError(
+            _failed_samples(
+                {**{i: failed.get(i, "no file") for i in missing}, **bad}, cfg, done_dir
+            )
+        )
+    # Validate and summarise every file (token ids, length, finite values, slot count), then publish.
+    for i, ids in enumerate(rows):
+        path = done_dir / f"hs_{i}.safetensors"
+        data = load_file(str(path))
+        try:
+            check_hidden_states(data, ids.tolist())
+        except ValueError as exc:
+            path.unlink()
+            raise StageError(
+                f"vLLM hidden states for sample {i} are invalid ({exc}); the file was removed, "
+                "a re-run redoes it"
+            ) from None
+        hs = data["hidden_states"]
+        if hs.shape[1] != len(facts.extract_ids) or hs.dtype != getattr(torch, cfg.hardware.dtype):
+            raise StageError(
+                f"vLLM hidden states for sample {i} have shape {tuple(hs.shape)} {hs.dtype}; expected "
+                f"{len(facts.extract_ids)} slots in {cfg.hardware.dtype}"
+            )
+        stats.update_batch(hs[None], [hs.shape[0]])
+    for i in range(len(rows)):
+        shutil.move(done_dir / f"hs_{i}.safetensors", out_dir / f"hs_{i}.safetensors")
+    shutil.copytree(log_path.parent, ctx.out / "logs")
+    # Throughput over the rows the main pass computed (not sample 0's probe, not resumed files).
+    fresh = sum(len(r) for i, r in enumerate(rows) if i > 0 and f"hs_{i}.safetensors" not in before)
+    return {
+        "tokens": float(sum(len(r) for r in rows)),
+        "seconds": seconds,
+        "tokens_per_s": fresh / seconds if seconds > 0 else float("nan"),
+        "server_start_s": start_s,
+        "resumed_samples": len(before),
+        "redone_unreadable": len(unreadable),
+    }
