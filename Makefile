@@ -1,11 +1,31 @@
-# make run: set up .venv (first time only) and run the default pipeline.
-# make test: set up .venv and run the test suite (fast tests + the end-to-end and vLLM parity lanes).
-.PHONY: setup run test test-fast
-setup:
+# Targets of the EAGLE-3 draft-training runner; `make help` lists them.
+# Every target first runs scripts/setup.sh, which creates .venv once (and again when
+# pyproject.toml or the script changes).
+PY := .venv/bin/python
+# Prints "<step> took N s" after a step, so that CI's log splits its time by part.
+timed = start=$$(date +%s); $(1); status=$$?; echo "== $(2) took $$(( $$(date +%s) - start )) s"; exit $$status
+
+.PHONY: help setup run test test-fast test-slow lint fmt
+
+help:  ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+setup:  ## Create .venv with everything the runner needs (first time only)
 	bash scripts/setup.sh
-run: setup
-	.venv/bin/python -m runner
-test: setup
-	.venv/bin/python -m pytest -q
-test-fast: setup
-	.venv/bin/python -m pytest -q -m "not e2e and not vllm"
+
+run: setup  ## Run the default pipeline: SmolLM2 + ShareGPT on this CPU, no network (~15 min cold)
+	$(PY) -m runner
+
+lint: setup  ## Lint and check formatting (ruff, configured in pyproject.toml)
+	@$(call timed,$(PY) -m ruff check . && $(PY) -m ruff format --check .,lint)
+
+fmt: setup  ## Format the code and apply ruff's safe fixes
+	$(PY) -m ruff format . && $(PY) -m ruff check --fix .
+
+test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (~3 min)
+	@$(call timed,$(PY) -m pytest -q -m "not e2e and not vllm",fast tests)
+
+test-slow: setup  ## Slow lanes: end to end on the reduced default, vLLM parity (~12 min)
+	@$(call timed,$(PY) -m pytest -q -m "e2e or vllm",slow lanes)
+
+test: setup lint test-fast test-slow  ## Everything CI runs: lint, fast tests, then the slow lanes

@@ -5,7 +5,8 @@ bandwidth as the other possible bound.
 
 Usage (random-init Llama shapes; needs only torch, transformers, safetensors, tqdm):
     python -m benchmarks.extract_bench --shape smollm2 --device cpu --batch 4 --seq 512 --batches 4
-    python -m benchmarks.extract_bench --shape llama8b --device cuda --batch 8 --seq 2048 --batches 6 --json out.json
+    python -m benchmarks.extract_bench --shape llama8b --device cuda --batch 8 --seq 2048 \
+        --batches 6 --json out.json
 """
 
 from __future__ import annotations
@@ -181,22 +182,27 @@ def main(argv: list[str] | None = None) -> dict:
         "bytes_over_minimum": bytes_per_token / minimum,
     }
     print(
-        f"{args.shape} on {args.device}: {tokens} tokens, {len(ids)} slots, batch {args.batch}x{args.seq}"
+        f"{args.shape} on {args.device}: {tokens} tokens, {len(ids)} slots, "
+        f"batch {args.batch}x{args.seq}"
     )
     print(f"  bare forward      {bare_tps:12,.0f} tok/s")
     print(
-        f"  runner extractor  {tokens / runner_s:12,.0f} tok/s  = {runner_s / bare_s:.2f}x forward time, "
+        f"  runner extractor  {tokens / runner_s:12,.0f} tok/s  = "
+        f"{runner_s / bare_s:.2f}x forward time, "
         f"{runner_s / bound_s:.2f}x the {bound} bound"
     )
     print(
-        f"  naive extractor   {tokens / naive_s:12,.0f} tok/s  = {naive_s / bare_s:.2f}x forward time "
+        f"  naive extractor   {tokens / naive_s:12,.0f} tok/s  = "
+        f"{naive_s / bare_s:.2f}x forward time "
         f"({naive_s / runner_s:.2f}x the runner's)"
     )
     print(
-        f"  disk write        {bw / 1e9:8.2f} GB/s -> bound {disk_tps:,.0f} tok/s; bound that applies: {bound}"
+        f"  disk write        {bw / 1e9:8.2f} GB/s -> bound {disk_tps:,.0f} tok/s; "
+        f"bound that applies: {bound}"
     )
     print(
-        f"  bytes/token/layer {bytes_per_token / len(ids):8.1f} (minimum {hidden * 2}: {bytes_per_token / minimum:.3f}x)"
+        f"  bytes/token/layer {bytes_per_token / len(ids):8.1f} "
+        f"(minimum {hidden * 2}: {bytes_per_token / minimum:.3f}x)"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -1,7 +1,8 @@
 """Draft-training throughput through the runner against speculators' trainer called directly on
 the same files, measured in one run (same machine, one after the other).
 
-Usage: EAGLE3_RUNNER_HOME=<root with a finished default run> python -m benchmarks.train_bench --steps 60
+Usage: EAGLE3_RUNNER_HOME=<root with a finished default run> \
+    python -m benchmarks.train_bench --steps 60
 1. runner:  `python -m runner run.stages=[train] run.force=[train] train.max_steps=N train.epochs=1`
 2. direct:  the `speculators train` arguments the runner recorded for that run, passed to
    speculators.train.cli.main (with the CPU adapter on a machine without a GPU, as the runner).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +33,6 @@ def direct(argv: list[str]) -> list[dict]:
     from speculators.train.config import TrainConfig
 
     from runner.integrations.speculators import capture_metrics, cpu_training
-    
 
     with capture_metrics() as capture, cpu_training():
         speculators_train(TrainConfig.resolve(argv))
@@ -69,11 +70,11 @@ def main() -> None:
         )
         if out.returncode:
             sys.exit(out.stdout[-2000:] + out.stderr[-2000:])
-        line = next(l for l in out.stdout.splitlines() if l.strip().startswith("train "))
+        line = next(x for x in out.stdout.splitlines() if x.strip().startswith("train "))
         art = Path(line.split()[-1])
         manifest = json.loads((art / "manifest.json").read_text())
         runs["runner"].append(
-            tokens_per_s([json.loads(l) for l in (art / "metrics.jsonl").read_text().splitlines()])
+            tokens_per_s([json.loads(x) for x in (art / "metrics.jsonl").read_text().splitlines()])
         )
         walls["runner"].append(manifest["seconds"])
         argv = [a for a in manifest["speculators_argv"] if a not in ("--logger", "mlflow")]
@@ -91,8 +92,7 @@ def main() -> None:
         result = json.loads((spec / "result.json").read_text())
         runs["direct"].append(tokens_per_s(result["records"]))
         walls["direct"].append(result["seconds"])
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    r, d = mean(runs["runner"]), mean(runs["direct"])
+    r, d = statistics.mean(runs["runner"]), statistics.mean(runs["direct"])
     res = {
         "steps": args.steps,
         "rounds": args.rounds,
@@ -101,17 +101,20 @@ def main() -> None:
         "ratio": r / d,
         "runner_train_stage_s": walls["runner"],
         "direct_call_s": walls["direct"],
-        "wall_ratio": mean(walls["direct"]) / mean(walls["runner"]),
+        "wall_ratio": statistics.mean(walls["direct"]) / statistics.mean(walls["runner"]),
     }
     print(
-        f"training {args.steps} steps x {args.rounds} rounds: runner {r:,.0f} tok/s, speculators directly {d:,.0f} tok/s, "
+        f"training {args.steps} steps x {args.rounds} rounds: runner {r:,.0f} tok/s, "
+        f"speculators directly {d:,.0f} tok/s, "
         f"ratio {r / d:.3f}"
     )
     print(
-        f"  per round runner {[round(x) for x in runs['runner']]}, direct {[round(x) for x in runs['direct']]}"
+        f"  per round runner {[round(x) for x in runs['runner']]}, "
+        f"direct {[round(x) for x in runs['direct']]}"
     )
     print(
-        f"  train stage {mean(walls['runner']):.1f} s vs direct call {mean(walls['direct']):.1f} s "
+        f"  train stage {statistics.mean(walls['runner']):.1f} s vs direct call "
+        f"{statistics.mean(walls['direct']):.1f} s "
         f"(throughput ratio by wall time {res['wall_ratio']:.3f})"
     )
     if args.json:

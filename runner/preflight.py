@@ -188,7 +188,7 @@ def _engine_lines(
             f"hidden states), so {who} cannot capture or serve with a draft; use a target class "
             "that does, or another vLLM (hardware.vllm.command)",
         )
-    elif "extract_hidden_states" in features and not support.get("extract"):
+    elif "extract_hidden_states" in features and not support.get("extract_hidden_states"):
         plan.error(
             "extract.backend",
             f"vLLM {have} lacks the extract_hidden_states speculative method or its "

@@ -65,7 +65,7 @@ class ModelConfig:
     # Template keyword arguments this target needs (e.g. Kimi's {thinking: false}); data's own
     # chat_template_kwargs are applied on top.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # Expected config.json architecture (checked in preflight), e.g. KimiK25ForConditionalGeneration.
+    # Expected config.json architecture (checked against it), e.g. KimiK25ForConditionalGeneration.
     architecture: str | None = None
     # Where the text model and LM head live, for wrappers neither transformers nor the runner's
     # registry knows: {text_model: language_model.model, lm_head: language_model.lm_head}.
@@ -343,14 +343,14 @@ def check_known_keys(node: DictConfig) -> None:
     (which bypasses the schema's struct mode). Free-form dicts (env, extra args) are exempt."""
 
     def walk(sub: Any, schema: Any, prefix: str) -> None:
-        for key in sub.keys():
+        for key in sub:
             if key == "hydra":
                 continue
             full = f"{prefix}{key}"
             if key == "_target_":
                 raise ConfigError(full, "the runner instantiates no classes from config; remove it")
             if key not in list(schema.keys()):
-                known = ", ".join(sorted(str(k) for k in schema.keys()))
+                known = ", ".join(sorted(str(k) for k in schema))
                 where = prefix.rstrip(".") or "the root"
                 raise ConfigError(full, f"unknown key; {where} takes: {known}")
             child = schema.get(key) if OmegaConf.is_dict(schema) else None
@@ -369,6 +369,6 @@ def typed(node: DictConfig | RunnerConfig) -> RunnerConfig:
     if isinstance(node, RunnerConfig):
         return node
     check_known_keys(node)
-    node = OmegaConf.masked_copy(node, [k for k in node.keys() if k != "hydra"])
+    node = OmegaConf.masked_copy(node, [k for k in node if k != "hydra"])
     merged = OmegaConf.merge(OmegaConf.structured(RunnerConfig), node)
     return OmegaConf.to_object(merged)

@@ -75,7 +75,7 @@ class SweepCallback(Callback):
         log.info("sweep parent run %s (%s)", run.info.run_id, uri)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        import mlflow
+        import mlflow  # seconds to import; only a multirun's callback needs it
 
         parent = os.environ.pop(PARENT_ENV, None)
         if not parent:

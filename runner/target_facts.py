@@ -102,7 +102,7 @@ def package_dir(module: str, key: str) -> Path:
             f"Python package '{module}' is not installed. Run `make setup` "
             "(scripts/setup.sh installs the packaged model and data).",
         )
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def packaged_model_dir(model_cfg: ModelConfig, output_root: Path) -> Path:

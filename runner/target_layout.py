@@ -17,6 +17,7 @@ the norm and embedding are its siblings; the LM head is the `lm_head` whose outp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -75,7 +76,7 @@ def _join(*parts: str) -> str:
 
 
 def find_layers(model: Any, num_layers: int | None = None) -> tuple[str, Any]:
-    import torch.nn as nn
+    import torch.nn as nn  # torch and transformers load only when a layout is discovered
 
     candidates = []
     for name, module in model.named_modules():
@@ -123,7 +124,8 @@ def layout_from_model(model: Any, source: str = "model") -> TargetLayout:
     ]
     if norm is None or embed is None or not heads:
         raise ValueError(
-            f"{type(model).__name__}: text model at '{text_model}' lacks a final norm, embedding or "
+            f"{type(model).__name__}: text model at '{text_model}' lacks a final norm, "
+            "embedding or "
             f"LM head (norm={norm}, embed={embed}, heads={heads}); set model.layout in conf/model"
         )
     lm_head = min(heads, key=lambda n: n.count("."))
@@ -180,9 +182,8 @@ def _known_to_transformers(model_type: str | None) -> bool:
 def layout_from_config(
     config: dict[str, Any], override: dict[str, str] | None = None
 ) -> TargetLayout:
-    """The layout of a target from its config.json contents alone (nothing downloaded, no remote code)."""
-    import dataclasses
-
+    """The layout of a target from its config.json contents alone (nothing downloaded, no
+    remote code)."""
     from transformers import AutoConfig
 
     override = {k: v for k, v in (override or {}).items() if v}
@@ -225,9 +226,11 @@ def layout_from_config(
             prefix, lm_head = override["text_model"], override.get("lm_head", "lm_head")
         else:
             prefix, lm_head = inner.text_model, inner.lm_head
-        rename = lambda p: _join(
-            prefix, p.split(".", 1)[1] if p.startswith(inner.text_model + ".") else p
-        )  # noqa: E731
+
+        def rename(p: str) -> str:
+            inside = p.startswith(inner.text_model + ".")
+            return _join(prefix, p.split(".", 1)[1] if inside else p)
+
         layout = dataclasses.replace(
             inner,
             architecture=arch,

@@ -23,7 +23,8 @@ from runner.schema import TrackingConfig
 log = logging.getLogger(__name__)
 
 # The user's own MLFLOW_TRACKING_URI, read before mlflow.set_tracking_uri (which exports the URI
-# it is given to the environment) could make one job's store look like the user's choice to the next.
+# it is given to the environment) could make one job's store look like the user's choice to the
+# next.
 _USER_URI = os.environ.get("MLFLOW_TRACKING_URI")
 
 # MLflow limits: 6000 characters per param value, 100 params per batch call.

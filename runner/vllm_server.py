@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from runner.errors import StageError
 from runner.schema import RunnerConfig
 
@@ -51,7 +53,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 class ServerError(StageError):
-    """The vLLM server died, never became ready, or answered wrongly; the message holds its log tail."""
+    """The vLLM server died, never became ready, or answered wrongly; the message holds its log
+    tail."""
 
 
 def free_port() -> int:
@@ -63,10 +66,8 @@ def free_port() -> int:
 def _die_with_parent() -> None:
     # Runs in the child before exec: if the runner is killed outright (SIGKILL), the kernel sends
     # the server SIGTERM instead of leaving it orphaned and holding the GPUs.
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def engine_args(cfg: RunnerConfig, max_model_len: int) -> list[str]:
@@ -171,7 +172,7 @@ class VllmServer:
         log.info("[%s] starting vLLM: %s", self.label, " ".join(self.command))
         log.info("[%s] vLLM log: %s", self.label, self.log_path)
         self._t0 = time.time()
-        self._logf = open(self.log_path, "wb")
+        self._logf = open(self.log_path, "wb")  # noqa: SIM115 (open while the server runs; stop() closes it)
         self._logf.write((" ".join(self.command) + "\n").encode())
         self._proc = subprocess.Popen(
             self.command,
@@ -179,7 +180,8 @@ class VllmServer:
             stderr=subprocess.STDOUT,
             env=self.env,
             cwd=self.cwd,
-            start_new_session=True,  # its own process group: its engine and worker processes go with it
+            # Its own process group: its engine and worker processes go with it.
+            start_new_session=True,
             preexec_fn=_die_with_parent,
         )
         self._reader = threading.Thread(target=self._copy_output, daemon=True)
@@ -300,7 +302,7 @@ def quiet_http_logs():
     try:
         yield
     finally:
-        for q, level in zip(loggers, levels):
+        for q, level in zip(loggers, levels, strict=True):
             q.setLevel(level)
 
 
@@ -309,10 +311,8 @@ def _raise_system_exit(signum: int, _frame: Any) -> None:
 
 
 def _signal_group(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 _COUNTERS = {
@@ -327,8 +327,6 @@ def spec_decode_counters(text: str) -> dict[str, Any]:
 
     Returns drafts, draft_tokens, accepted and accepted_per_pos (a list by draft position).
     """
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
     per_pos: dict[int, int] = {}
     for fam in text_string_to_metric_families(text):
@@ -350,5 +348,5 @@ def counters_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, A
     prev = before["accepted_per_pos"] + [0] * (
         len(after["accepted_per_pos"]) - len(before["accepted_per_pos"])
     )
-    out["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prev)]
+    out["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prev, strict=True)]
     return out

@@ -104,7 +104,8 @@ def _serve(
     label: str,
     logs: Path,
 ) -> dict:
-    """Start a server for the target (with `draft` if given), generate, read its counters, stop it."""
+    """Start a server for the target (with `draft` if given), generate, read its counters, and
+    stop it."""
     log.info(
         "[evaluate] %s: %d prompts on a vLLM server (its log: logs/vllm_%s.log)",
         label,
@@ -132,7 +133,8 @@ def _serve(
     if any(o.choices[0].token_ids is None for o in outs):
         # Without them "identical to the target" would compare empty lists.
         raise StageError(
-            "vLLM returned no generated token ids (request field return_token_ids); this vLLM is too "
+            "vLLM returned no generated token ids (request field return_token_ids); this vLLM is "
+            "too "
             "old for the evaluation, see hardware.vllm.command"
         )
     if counters is not None and counters["drafts"] == 0:
@@ -180,7 +182,8 @@ def acceptance(counters: dict) -> dict[str, Any]:
 
 
 def teacher_forced(train_metrics: dict[str, Any], k: int) -> dict[str, Any]:
-    """Validation accuracies from training, per draft position, and the acceptance length they imply.
+    """Validation accuracies from training, per draft position, and the acceptance length they
+    imply.
 
     speculators' `full_acc_i` is the share of supervised positions where draft steps 0..i were
     all right, with the target's own hidden states as inputs (teacher forcing); for a chain of k
@@ -225,7 +228,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     identical: list[bool | None] = [None] * len(prompts)
     if e.compare_target:
         target = _serve(cfg, ctx.facts, None, prompts, "target", logs)
-        identical = [a == b for a, b in zip(spec["token_ids"], target["token_ids"])]
+        identical = [a == b for a, b in zip(spec["token_ids"], target["token_ids"], strict=True)]
         metrics["identical_to_target_fraction"] = sum(identical) / len(identical)
         metrics["target_tokens_per_s"] = (
             sum(len(t) for t in target["token_ids"]) / target["generate_s"]
@@ -234,7 +237,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if not all(identical):
             bad = [i for i, ok in enumerate(identical) if not ok]
             log.warning(
-                "[evaluate] %d of %d outputs differ from the target's own greedy output (prompts %s); "
+                "[evaluate] %d of %d outputs differ from the target's own greedy output "
+                "(prompts %s); "
                 "bf16 kernels with different batch shapes can flip near-tied tokens",
                 len(bad),
                 len(identical),

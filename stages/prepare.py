@@ -1,4 +1,5 @@
-"""Stage `prepare`: conversations -> token ids + assistant-only loss mask, with the target's chat template.
+"""Stage `prepare`: conversations -> token ids + assistant-only loss mask, with the target's
+chat template.
 
 Run alone: `python -m runner run.stages=[prepare]`.
 Writes `dataset/` (a `datasets` Arrow folder with input_ids, loss_mask, seq_len, in torch format:
@@ -97,7 +98,7 @@ def load_tokenizer(cfg: RunnerConfig, facts: ModelFacts) -> Any:
 def marked_text(tok: Any, ids: list[int], mask: list[int]) -> str:
     """Decode a row with supervised spans wrapped in [[ ]] for a human check of the mask."""
     out, cur, state = [], [], 0
-    for t, m in zip(ids, mask):
+    for t, m in zip(ids, mask, strict=True):
         if m != state and cur:
             text = tok.decode(cur)
             out.append(f"[[{text}]]" if state else text)

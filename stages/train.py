@@ -25,6 +25,7 @@ from runner.integrations.speculators import (
     SLOTS_ENV,
     capture_metrics,
     cpu_training,
+    negatable_flags,
     register_slot_backend,
 )
 from runner.preflight import Plan, fmt_bytes
@@ -48,13 +49,16 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
 
 
 def extra_flags(extra_args: Mapping[str, Any]) -> list[str]:
-    """`train.extra_args` as speculators flags: {norm_before_fc: true} -> [--norm-before-fc],
-    false -> nothing, lists -> repeated values, anything else -> one value."""
+    """`train.extra_args` as speculators flags: {norm_before_fc: true} -> [--norm-before-fc];
+    false -> [--no-norm-output] where speculators has that form, else nothing (its default);
+    lists -> the flag and each value; anything else -> the flag and its value."""
     argv: list[str] = []
     for k, v in extra_args.items():
         flag = "--" + str(k).replace("_", "-")
-        if isinstance(v, bool):
-            argv += [flag] if v else []
+        if v is True:
+            argv.append(flag)
+        elif v is False:
+            argv += [f"--no-{flag[2:]}"] if flag in negatable_flags() else []
         elif isinstance(v, (list, tuple)):
             argv += [flag, *[str(x) for x in v]]
         else:
@@ -199,7 +203,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     conf_path = draft / "config.json"
     conf = json.loads(conf_path.read_text())
     conf["eagle3_runner"] = {
-        "layer_id_convention": "vllm (id k = input of decoder layer k; n = final layer before norm)",
+        "layer_id_convention": (
+            "vllm (id k = input of decoder layer k; n = final layer before norm)"
+        ),
         "aux_layer_ids": list(ctx.facts.aux_layers),
         "capture_ids": list(ctx.facts.capture_ids),
         "target_num_layers": ctx.facts.num_layers,

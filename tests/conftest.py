@@ -31,8 +31,15 @@ def compose(overrides: list[str] | None = None):
         return hydra_compose(config_name="config", overrides=overrides or [])
 
 
-def tiny_overrides(model_dir: Path, data: Path, root: Path, *extra: str, samples: int = 40,
-                   steps: int = 8, vocab: int | None = 512) -> list[str]:
+def tiny_overrides(
+    model_dir: Path,
+    data: Path,
+    root: Path,
+    *extra: str,
+    samples: int = 40,
+    steps: int = 8,
+    vocab: int | None = 512,
+) -> list[str]:
     """A run on a tiny target and a local JSONL file, trained for a few steps, no evaluation
     (`vocab=None` leaves the draft vocab to the caller, e.g. a sweep over it)."""
     return [
@@ -93,7 +100,9 @@ CONVERSATIONS = [
         {"role": "user", "content": "Write a haiku about the sea."},
         {
             "role": "assistant",
-            "content": "Waves fold into foam,\nsalt wind carries gull voices,\nthe tide keeps its time.",
+            "content": (
+                "Waves fold into foam,\nsalt wind carries gull voices,\nthe tide keeps its time."
+            ),
         },
     ],
 ]

@@ -18,6 +18,7 @@ def check_declared(node) -> RunnerConfig:
     check_config(cfg)
     return cfg
 
+
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 # Options that need the user to name a source.
@@ -82,9 +83,11 @@ def test_unknown_key_in_an_option_file_is_rejected(tmp_path):
         "# a train option with a misspelt key\nname: typo\nlearning_rate: 0.1\n"
     )
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        with pytest.raises(Exception) as info:
-            hydra_compose(config_name="config", overrides=["train=typo"])
+    with (
+        initialize_config_dir(config_dir=str(conf), version_base="1.3"),
+        pytest.raises(Exception) as info,
+    ):
+        hydra_compose(config_name="config", overrides=["train=typo"])
     text = f"{info.value} {info.value.__cause__}"
     assert "learning_rate" in text
 

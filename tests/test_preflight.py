@@ -175,7 +175,7 @@ def test_a_vllm_without_hidden_state_extraction_is_refused_for_the_vllm_backend(
             "known": True,
             "eagle3": True,
             "cls": f"vllm.{arch}",
-            "extract": False,
+            "extract_hidden_states": False,
         },
     )
     with pytest.raises(ConfigError) as info:

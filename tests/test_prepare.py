@@ -13,7 +13,7 @@ from tests.conftest import CONVERSATIONS, compose
 
 def _spans(ids, mask):
     spans, cur = [], []
-    for t, m in zip(ids, mask):
+    for t, m in zip(ids, mask, strict=True):
         if m:
             cur.append(t)
         elif cur:
@@ -33,7 +33,7 @@ def test_mask_covers_exactly_every_assistant_turn(smollm2_tokenizer):
     # One supervised span per assistant turn: its text and the end-of-turn token that stops it.
     assert spans == [f"{t['content']}<|im_end|>\n" for t in turns if t["role"] == "assistant"]
     # Nothing of the user turns, the system prompt or the role headers is supervised.
-    masked_text = tok.decode([t for t, m in zip(ids, mask) if not m])
+    masked_text = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
     assert "What is the capital of France?" in masked_text and "Paris" not in masked_text
 
 

@@ -16,7 +16,8 @@ from tests.conftest import REPO, tiny_overrides
 
 
 def run_sweep(model_dir, chats, root, *sweep_args, samples=20, steps=2):
-    """`python -m runner -m <sweep_args>` on the tiny model, in a fresh process as a user runs it."""
+    """`python -m runner -m <sweep_args>` on the tiny model, in a fresh process, as a user runs
+    it."""
     base = tiny_overrides(model_dir, chats, root, samples=samples, steps=steps, vocab=None)
     cmd = [sys.executable, "-m", "runner", "-m", *sweep_args, *base]
     env = {k: v for k, v in os.environ.items() if k not in (PARENT_ENV, "MLFLOW_TRACKING_URI")}

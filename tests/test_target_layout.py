@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers as T
 
-from runner.target_layout import get_module, layout_from_config, layout_from_model
 from runner.layer_ids import capture_ids, from_output_of, hook_point, to_output_of
+from runner.target_layout import get_module, layout_from_config, layout_from_model
 
 KIMI_CONFIG = Path(__file__).parent / "data" / "kimi_k25" / "config.json"
 
@@ -210,7 +210,7 @@ def test_an_unknown_wrapper_asks_for_the_layout_override():
         "model_type": "some_new_vlm",
         "text_config": dict(T.LlamaConfig(**text()).to_dict()),
     }
-    with pytest.raises(ValueError, match="model.layout"):
+    with pytest.raises(ValueError, match=r"model\.layout"):
         layout_from_config(json.loads(json.dumps(cfg)))
     layout = layout_from_config(
         json.loads(json.dumps(cfg)), {"text_model": "lm.model", "lm_head": "lm.lm_head"}
@@ -242,7 +242,7 @@ def test_hooks_at_the_discovered_layers_capture_the_text_models_states():
     for h in hooks:
         h.remove()
     for k in (1, 2):  # vLLM id k = output of layer k-1 = hidden_states[k]
-        where, i = hook_point(k, 3)
+        _, i = hook_point(k, 3)
         torch.testing.assert_close(got[i], out.hidden_states[k])
     # id n = 3 is layer 2's output before the norm; hidden_states[3] is after it.
     torch.testing.assert_close(get_module(model, layout.norm)(got[2]), out.hidden_states[3])

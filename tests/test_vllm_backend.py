@@ -125,7 +125,8 @@ def test_hidden_states_match_transformers_within_bf16(runs):
         rv, rh = (err_v[s] / norm[s]) ** 0.5, (err_h[s] / norm[s]) ** 0.5
         rows.append((lid, rv, rh, max_abs[s]))
         print(
-            f"slot {s} (vLLM id {lid}): rel. L2 vs fp32: vLLM {rv:.4f}, transformers bf16 {rh:.4f}; "
+            f"slot {s} (vLLM id {lid}): rel. L2 vs fp32: vLLM {rv:.4f}, "
+            f"transformers bf16 {rh:.4f}; "
             f"max |vLLM - transformers| {max_abs[s]:.3g}"
         )
     for lid, rv, rh, _ in rows:
@@ -135,15 +136,15 @@ def test_hidden_states_match_transformers_within_bf16(runs):
 def test_drafts_trained_on_either_backend_accept_alike_in_vllm(runs):
     acc = {b: runs[b].objective for b in runs}
     ev = {
-        b: json.loads((runs[b].results["evaluate"].path / "summary.json").read_text())
-        for b in runs
+        b: json.loads((runs[b].results["evaluate"].path / "summary.json").read_text()) for b in runs
     }
     for b in runs:
         print(
             f"{b}: served acceptance length {acc[b]:.3f} (per position "
-            f"{[round(ev[b][f'acceptance_pos_{i}'], 3) for i in range(3)]}), teacher-forced estimate "
+            f"{[round(ev[b][f'acceptance_pos_{i}'], 3) for i in range(3)]}), "
+            "teacher-forced estimate "
             f"{ev[b].get('teacher_forced_acceptance_length', float('nan')):.3f}, "
-            f"extraction {runs[b]['results']['extract'].metrics['tokens_per_s']:.0f} tok/s"
+            f"extraction {runs[b].results['extract'].metrics['tokens_per_s']:.0f} tok/s"
         )
     assert min(acc.values()) > 1.03, (
         "a draft barely above a random one (1.00): training saw broken states"
@@ -173,9 +174,7 @@ def test_vllm_extraction_resumes_and_redoes_unreadable_files(runs, root):
     )
     m = result.results["extract"].metrics
     assert (m["resumed_samples"], m["redone_unreadable"]) == (5, 1)
-    redone = load_file(
-        str(result.results["extract"].path / "hidden_states" / "hs_5.safetensors")
-    )
+    redone = load_file(str(result.results["extract"].path / "hidden_states" / "hs_5.safetensors"))
     assert redone["hidden_states"].shape[1] == 4 and torch.isfinite(redone["hidden_states"]).all()
     assert not scratch.exists(), "the resume folder is removed once the artifact is published"
 
@@ -201,7 +200,8 @@ def test_a_request_that_keeps_failing_names_the_sample_and_leaves_no_server(root
 
 
 def _runner_until(args: list[str], root: Path, started) -> subprocess.Popen:
-    """`python -m runner <args>` in a child, read until a line satisfies `started`; a server must be up."""
+    """`python -m runner <args>` in a child, read until a line satisfies `started`; a server
+    must be up."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "runner", *args, f"run.output_root={root}"],
         cwd=REPO,

@@ -33,7 +33,8 @@ if mode == "hang":
 time.sleep(1)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        body = b"{}" if self.path == "/health" else json.dumps({"data": [{"id": "stand-in"}]}).encode()
+        models = {"data": [{"id": "stand-in"}]}
+        body = b"{}" if self.path == "/health" else json.dumps(models).encode()
         self.send_response(200); self.end_headers(); self.wfile.write(body)
     def log_message(self, *a): print("GET", self.path, flush=True)
 http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
@@ -102,9 +103,11 @@ def test_a_server_that_exits_reports_its_code_and_log(tmp_path):
 def test_a_server_that_never_becomes_ready_times_out_and_is_killed(tmp_path):
     server = _server(tmp_path, "hang", timeout_s=3)
     t0 = time.time()
-    with pytest.raises(ServerError, match=r"not ready after 3 s \(hardware.vllm.ready_timeout_s\)"):
-        with server:
-            pass
+    with (
+        pytest.raises(ServerError, match=r"not ready after 3 s \(hardware.vllm.ready_timeout_s\)"),
+        server,
+    ):
+        pass
     assert time.time() - t0 < 20
     assert not any(_alive(p) for p in _pids(server))
 
@@ -136,7 +139,8 @@ def test_spec_decode_counters_sum_engines_and_positions():
                 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 9.0',
                 "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter",
                 *[
-                    f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{e}",model_name="m",position="{p}"}} {v}'
+                    "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+                    f'{{engine="{e}",model_name="m",position="{p}"}} {v}'
                     for e, vals in ((0, (4, 2, 1)), (1, (1, 1, 0)))
                     for p, v in enumerate(vals)
                 ],

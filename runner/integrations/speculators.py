@@ -10,6 +10,9 @@ Private APIs touched:
   format (`capture_metrics`: keeps the metric dicts its MLflow logger receives).
 - `hs_connectors.transfer.FileBackend` / `FileTransfer.get_cached` and the
   `HiddenStatesBackend.registry` (`register_slot_backend`: read a subset of a file's slots).
+- `speculators.train.config.resolution.build_parser` and argparse's `_actions`
+  (`negatable_flags`: which train flags take a `--no-` form, so that
+  `train.extra_args: {norm_output: false}` can say false).
 - the log line "Skipping sample N due to error: ..." of
   `speculators.cli.generate_offline_data` (`SkipRecorder`: names the samples it gave up on).
 """
@@ -17,6 +20,7 @@ Private APIs touched:
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import re
@@ -159,6 +163,21 @@ def register_slot_backend() -> None:
     globals().update(SlotTransfer=SlotTransfer, SlotBackend=SlotBackend)
     SlotTransfer.__qualname__ = "SlotTransfer"
     SlotBackend.__qualname__ = "SlotBackend"
+
+
+@functools.cache
+def negatable_flags() -> frozenset[str]:
+    """speculators train flags that also take a `--no-` form (argparse BooleanOptionalAction),
+    e.g. "--norm-output"; a flag without one is store_true, false by default."""
+    from speculators.train.config.resolution import build_parser  # imports torch: seconds
+
+    return frozenset(
+        opt
+        for action in build_parser()._actions
+        if isinstance(action, argparse.BooleanOptionalAction)
+        for opt in action.option_strings
+        if not opt.startswith("--no-")
+    )
 
 
 class SkipRecorder(logging.Handler):

@@ -26,14 +26,16 @@ arch = sys.argv[1]
 extract = ("extract_hidden_states" in inspect.getsource(speculative) and importlib.util.find_spec(
     "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector") is not None)
 if arch not in ModelRegistry.get_supported_archs():
-    print(json.dumps({"known": False, "eagle3": False, "cls": None, "extract": extract}))
+    print(json.dumps({"known": False, "eagle3": False, "cls": None,
+                      "extract_hidden_states": extract}))
 else:
     cls = ModelRegistry._try_load_model_cls(arch)
     print(json.dumps({"known": True, "eagle3": bool(cls and supports_eagle3(cls)),
-                      "cls": cls and f"{cls.__module__}.{cls.__qualname__}", "extract": extract}))
+                      "cls": cls and f"{cls.__module__}.{cls.__qualname__}",
+                      "extract_hidden_states": extract}))
 """
 # Bump when _PROBE answers something new, so cached answers are asked again.
-_PROBE_VERSION = "2"
+_PROBE_VERSION = "3"
 
 
 def _cache_file() -> Path:
@@ -42,7 +44,8 @@ def _cache_file() -> Path:
 
 
 def vllm_eagle3_support(architecture: str, version: str) -> dict[str, Any] | None:
-    """{known, eagle3, cls, extract} for `architecture` in the installed vLLM `version`.
+    """{known, eagle3, cls, extract_hidden_states} for `architecture` in the installed vLLM
+    `version`.
 
     Asked in a child process (importing vLLM takes ~7 s and sets process-wide state) without
     loading weights, and remembered per vLLM version in the user's cache. None if it could not

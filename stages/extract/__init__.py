@@ -63,10 +63,13 @@ class LayerStats:
         self._acc: dict[str, Any] | None = None
 
     def _init(self, device: Any) -> dict[str, Any]:
-        import torch
+        import torch  # torch loads only when a stage computes statistics
 
         n = len(self.ids)
-        z = lambda: torch.zeros(n, dtype=torch.float64, device=device)  # noqa: E731
+
+        def z() -> Any:
+            return torch.zeros(n, dtype=torch.float64, device=device)
+
         return {
             "sum": z(),
             "sumsq": z(),
@@ -88,7 +91,8 @@ class LayerStats:
             acc["sumsq"] += sq.double()
             acc["max"] = torch.maximum(acc["max"], x.amax(dim=(0, 2)).double())
             acc["min"] = torch.minimum(acc["min"], x.amin(dim=(0, 2)).double())
-            # Non-finite values are rare; count them exactly (an extra pass) only when a row's sum says so.
+            # Non-finite values are rare; count them exactly (an extra pass) only when a row's
+            # sum says so.
             bad = ~torch.isfinite(s + sq)
             acc["nonfinite"] += torch.where(bad, (~torch.isfinite(x)).sum(dim=(0, 2)).double(), 0.0)
             self.count += n * x.shape[2]
@@ -113,7 +117,7 @@ class LayerStats:
 
 
 def write_sample(path: Path, hidden_states: Any, token_ids: Any) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # imports torch: only when a stage writes states
 
     tmp = path.with_suffix(".tmp")
     save_file(

@@ -12,6 +12,7 @@ Imported only when extraction runs: it imports torch at the top.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -96,7 +97,8 @@ class TransformersBackend:
         if agree < 0.98:
             raise RuntimeError(
                 f"self-test: the target's head on the captured final slot agrees with its own next "
-                f"tokens at only {agree:.1%} of positions; the last slot is not the pre-norm final state"
+                f"tokens at only {agree:.1%} of positions; the last slot is not the pre-norm "
+                "final state"
             )
         return {
             "selftest_slots": float(len(self._captured)),
@@ -164,7 +166,7 @@ class TransformersBackend:
                     stacked.record_stream(side)
                     event = torch.cuda.Event()
                     event.record(side)
-                release = lambda b=buf: free.append(b)
+                release = functools.partial(free.append, buf)
             else:
                 host, event, release = stacked, None, (lambda: None)
             if pending is not None:
@@ -214,7 +216,7 @@ def extract_to_files(
         for idx, lens, host, release in backend.iter_batches(rows, order, stats):
             futures = [
                 pool.submit(write_sample, out_dir / f"hs_{i}.safetensors", host[r, :n], rows[i])
-                for r, (i, n) in enumerate(zip(idx, lens))
+                for r, (i, n) in enumerate(zip(idx, lens, strict=True))
             ]
             in_flight.append((futures, release))
             while len(in_flight) > 3:

@@ -3,7 +3,8 @@
 Selected with `python -m runner extract=vllm` (or `extract.backend=vllm`). The server runs the
 target with the `extract_hidden_states` speculative method (capture ids in vLLM's convention,
 final layer before the norm included) and vLLM's hidden-states connector, which writes one
-safetensors file per request; on CPU the connector is `runner.integrations.vllm_cpu_connector`. Requests are
+safetensors file per request; on CPU the connector is `runner.integrations.vllm_cpu_connector`.
+Requests are
 sent by speculators' own data-generation client (`speculators generate-offline-data` as a
 function: its request loop, retries, lock waits, moves and output checks), one per prepared row,
 so the files are `hs_{i}.safetensors` with `hidden_states` [seq, slots, hidden] and `token_ids`,
@@ -158,7 +159,8 @@ def extract(
     datasets.Dataset.from_dict({"input_ids": [r.tolist() for r in rows]}).with_format(
         "torch"
     ).save_to_disk(str(requests_dir))
-    # The log lives in scratch while the server runs (kept there if the stage fails), then in the artifact.
+    # The log lives in scratch while the server runs (kept there if the stage fails), then in
+    # the artifact.
     log_path = scratch / "logs" / "vllm_extract.log"
     server = VllmServer.from_config(
         cfg, facts.path, server_args(cfg, facts, staging), log_path, label="extract"
@@ -190,7 +192,8 @@ def extract(
                 {**{i: failed.get(i, "no file") for i in missing}, **bad}, cfg, done_dir
             )
         )
-    # Validate and summarise every file (token ids, length, finite values, slot count), then publish.
+    # Validate and summarise every file (token ids, length, finite values, slot count), then
+    # publish.
     for i, ids in enumerate(rows):
         path = done_dir / f"hs_{i}.safetensors"
         data = load_file(str(path))
@@ -205,7 +208,8 @@ def extract(
         hs = data["hidden_states"]
         if hs.shape[1] != len(facts.extract_ids) or hs.dtype != getattr(torch, cfg.hardware.dtype):
             raise StageError(
-                f"vLLM hidden states for sample {i} have shape {tuple(hs.shape)} {hs.dtype}; expected "
+                f"vLLM hidden states for sample {i} have shape {tuple(hs.shape)} {hs.dtype}; "
+                "expected "
                 f"{len(facts.extract_ids)} slots in {cfg.hardware.dtype}"
             )
         stats.update_batch(hs[None], [hs.shape[0]])

@@ -1,0 +1,76 @@
+"""The arithmetic behind the reported acceptance: counter deltas, acceptance length and
+per-position rates, the teacher-forced estimate, and the sweep table with k=5 positions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mlflow
+import pytest
+
+from runner.sweep import comparison_rows, render_table
+from runner.vllm_server import counters_delta
+from stages.evaluate import acceptance, teacher_forced
+
+
+def test_counter_deltas_count_only_these_prompts():
+    before = {"drafts": 10, "draft_tokens": 30, "accepted": 7, "accepted_per_pos": [5, 2]}
+    # A position first seen after the prompts (no count before) starts from zero.
+    after = {"drafts": 30, "draft_tokens": 90, "accepted": 27, "accepted_per_pos": [15, 9, 3]}
+    assert counters_delta(after, before) == {
+        "drafts": 20, "draft_tokens": 60, "accepted": 20, "accepted_per_pos": [10, 7, 3]
+    }  # fmt: skip
+
+
+def test_acceptance_length_is_one_plus_accepted_per_draft():
+    m = acceptance(
+        {"drafts": 20, "draft_tokens": 60, "accepted": 20, "accepted_per_pos": [10, 7, 3]}
+    )
+    assert m["acceptance_length"] == 2.0  # 1 + 20 / 20
+    assert m["draft_acceptance_rate"] == pytest.approx(1 / 3)
+    assert [m[f"acceptance_pos_{i}"] for i in range(3)] == [0.5, 0.35, 0.15]
+    # Positions sum to the accepted tokens per draft.
+    assert sum(m[f"acceptance_pos_{i}"] for i in range(3)) == pytest.approx(1.0)
+
+
+def test_no_drafts_gives_no_number_rather_than_a_wrong_one():
+    m = acceptance({"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []})
+    assert math.isnan(m["acceptance_length"]) and math.isnan(m["draft_acceptance_rate"])
+
+
+def test_teacher_forced_estimate_sums_full_accuracies_up_to_k():
+    train = {"val_full_acc_0_epoch": 0.4, "val_full_acc_1_epoch": 0.2, "val_cond_acc_1_epoch": 0.5,
+             "val_full_acc_2_epoch": 0.1, "val_full_acc_3_epoch": 0.05}  # fmt: skip
+    m = teacher_forced(train, k=3)
+    assert m["teacher_forced_acceptance_length"] == pytest.approx(1.7)  # position 3 is past k
+    assert m["teacher_forced_cond_acc_1"] == 0.5 and "teacher_forced_full_acc_3" not in m
+    assert teacher_forced({}, k=3) == {}
+
+
+def test_sweep_table_has_a_column_per_position_for_every_k(tmp_path):
+    """A sweep over k: the k=5 job's positions 3 and 4 appear, in order, and the k=3 job shows
+    none there (not zero)."""
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("eagle3", artifact_location=(tmp_path / "art").as_uri())
+    params = json.dumps({"eval.num_speculative_tokens": "3,5"})
+    parent = client.create_run(exp, tags={"sweep.config": "k", "sweep.params": params})
+    for job, k in enumerate((3, 5)):
+        child = client.create_run(
+            exp, tags={"mlflow.parentRunId": parent.info.run_id, "sweep.job": str(job),
+                       "stage.evaluate": "computed"},
+        )  # fmt: skip
+        run_id = child.info.run_id
+        client.log_param(run_id, "eval.num_speculative_tokens", str(k))
+        client.log_metric(run_id, "evaluate/acceptance_length", 1.5 + job)
+        for i in range(k):
+            client.log_metric(run_id, f"evaluate/acceptance_pos_{i}", 0.5 / (i + 1))
+        client.log_metric(run_id, "time/evaluate_s", 10.0)
+        client.set_terminated(run_id)
+    rows = comparison_rows(client, parent.info.run_id)
+    positions = [c for c in rows[0] if c.startswith("acc_pos_")]
+    assert positions == [f"acc_pos_{i}" for i in range(5)]
+    assert [r["eval.num_speculative_tokens"] for r in rows] == ["3", "5"]
+    assert rows[0]["acc_pos_3"] is None and rows[1]["acc_pos_4"] == pytest.approx(0.1)
+    table = render_table(rows)
+    assert "acc_pos_4" in table.splitlines()[0] and "sweep time 20 s" in table
