@@ -5,7 +5,8 @@ Usage: EAGLE3_RUNNER_HOME=<root with a finished default run> \
     python -m benchmarks.train_bench --steps 60
 1. runner:  `python -m runner run.stages=[train] run.force=[train] train.max_steps=N train.epochs=1`
 2. direct:  the `speculators train` arguments the runner recorded for that run, passed to
-   speculators.train.cli.main (with the CPU adapter on a machine without a GPU, as the runner).
+   speculators.train.cli.main (plain on a GPU; with the runner's CPU adapter on a CPU).
+Runner overrides after the options go to both runner runs (e.g. `hardware=gpu1`).
 Throughput is training tokens over the time of the optimizer steps (speculators' own profile),
 skipping the first 5 steps; wall time of each training call is printed too.
 """
@@ -29,13 +30,27 @@ def tokens_per_s(records: list[dict]) -> float:
 
 
 def direct(argv: list[str]) -> list[dict]:
+    """speculators' own trainer on `argv`: plain on a GPU (with the one fix torch 2.11 needs to
+    run its fused loss at all), through the runner's adapter on a CPU (it cannot run there
+    otherwise)."""
+    import torch
     from speculators.train.cli import main as speculators_train
     from speculators.train.config import TrainConfig
 
-    from runner.integrations.speculators import capture_metrics, cpu_training
+    from runner.integrations.speculators import (
+        TrainingState,
+        capture_metrics,
+        fix_fused_loss_for_torch_compile,
+        runner_training,
+    )
 
-    with capture_metrics() as capture, cpu_training():
-        speculators_train(TrainConfig.resolve(argv))
+    with capture_metrics() as capture:
+        if torch.cuda.is_available():
+            fix_fused_loss_for_torch_compile()
+            speculators_train(TrainConfig.resolve(argv))
+        else:
+            with runner_training(TrainingState()):
+                speculators_train(TrainConfig.resolve(argv))
     return capture.records
 
 
@@ -45,6 +60,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--direct", default=None, help=argparse.SUPPRESS)  # internal: one direct run
     ap.add_argument("--json", default=None)
+    ap.add_argument("overrides", nargs="*", help="runner overrides for both runner runs")
     args = ap.parse_args()
     if args.direct:
         spec = Path(args.direct)
@@ -59,6 +75,7 @@ def main() -> None:
         "run.force=[train]",
         f"train.max_steps={args.steps}",
         "train.epochs=1",
+        *args.overrides,
     ]
     runs: dict[str, list[float]] = {"runner": [], "direct": []}
     walls: dict[str, list[float]] = {"runner": [], "direct": []}

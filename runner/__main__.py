@@ -20,13 +20,17 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError, StageError
 from runner.job import run_job
 from runner.schema import RunnerConfig
 
 ConfigStore.instance().store(name="base_config", node=RunnerConfig)
+# The environment `python -m runner` runs in: a Slurm job's setup activates the same one
+# (conf/hydra/launcher/slurm.yaml).
+if not OmegaConf.has_resolver("runner_python_prefix"):
+    OmegaConf.register_new_resolver("runner_python_prefix", lambda: sys.prefix)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

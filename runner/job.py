@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner.assets import resolve_model
@@ -127,7 +129,7 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
         target = resolve_target(cfg, output_root)  # config files only; no weights
         check_target(cfg, target)
         store = ArtifactStore(output_root)
-        pipeline = Pipeline(cfg, target.facts, store)
+        pipeline = Pipeline(cfg, target.facts, store, rerun_command=rerun_command())
         planned = pipeline.plan()
         plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, output_root)
         print(plan.render(), flush=True)
@@ -165,6 +167,13 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
     )
     print(_summary(result, cfg, tracker))
     return result
+
+
+def rerun_command() -> str:
+    """The command line that runs this job again (its Hydra overrides)."""
+    if not HydraConfig.initialized():
+        return "the same command (run_job with the same config)"
+    return shlex.join(["python", "-m", "runner", *HydraConfig.get().overrides.task])
 
 
 def _run_name(cfg: RunnerConfig) -> str:

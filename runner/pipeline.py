@@ -64,11 +64,13 @@ class Pipeline:
         facts: ModelFacts,
         store: ArtifactStore,
         tracker: Tracker | None = None,
+        rerun_command: str = "the same command",
     ):
         self.cfg = cfg
         self.facts = facts
         self.store = store
         self.tracker = tracker
+        self.rerun_command = rerun_command
         self.stages = registry()
 
     def plan(self) -> list[PlannedStage]:
@@ -208,6 +210,7 @@ class Pipeline:
                 manifest=manifest,
                 scratch=scratch,
                 tracker=self.tracker,
+                rerun_command=self.rerun_command,
             )
             try:
                 metrics = stage.run(ctx) or {}

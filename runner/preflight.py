@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+
 from runner.errors import ConfigError
 from runner.integrations.vllm import vllm_eagle3_support
 from runner.layer_ids import to_output_of
@@ -198,6 +200,46 @@ def _engine_lines(
         plan.add("vLLM class", f"{support['cls']}: SupportsEagle3")
 
 
+# Filesystems that one machine alone sees: a store there is not shared by a cluster's nodes.
+LOCAL_FILESYSTEMS = ("ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs")
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem that holds `path` (Linux /proc/mounts), or "unknown"."""
+    p = path.resolve()
+    while not p.exists():
+        p = p.parent
+    best, kind = "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in mounts:
+        parts = line.split()
+        inside = len(parts) >= 3 and (str(p) + "/").startswith(parts[1].rstrip("/") + "/")
+        if inside and len(parts[1]) >= len(best):
+            best, kind = parts[1], parts[2]
+    return kind
+
+
+def _launcher_lines(plan: Plan, output_root: Path) -> None:
+    """Jobs on other nodes (Slurm) share the store and its locks only on shared storage."""
+    if not HydraConfig.initialized():
+        return
+    target = str(HydraConfig.get().launcher.get("_target_", ""))
+    if "Slurm" not in target:
+        return
+    kind = filesystem_of(output_root)
+    plan.add("launcher", f"Slurm (submitit); run.output_root on {kind}")
+    if kind in LOCAL_FILESYSTEMS:
+        plan.warn(
+            "run.output_root",
+            f"{output_root} is on a local {kind} filesystem: jobs on other nodes see neither its "
+            "artifacts nor its locks; use shared storage (NFSv4, Lustre with -o flock, GPFS, "
+            "BeeGFS, CephFS)",
+        )
+
+
 def build_plan(
     cfg: RunnerConfig,
     target: Target,
@@ -235,6 +277,7 @@ def build_plan(
     users = [name for name, features in needs.items() if features]
     _engine_lines(plan, cfg, target, users, {f for fs in needs.values() for f in fs})
     plan.add("environment", ", ".join(f"{k}={v}" for k, v in cfg.hardware.env.items()) or "(none)")
+    _launcher_lines(plan, output_root)
     if cfg.hardware.device == "cuda" and not Path("/dev/nvidia0").exists():
         plan.warn(
             "hardware.device",

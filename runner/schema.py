@@ -234,6 +234,22 @@ class TrainConfig:
     num_workers: int = 0
     log_freq: int = 1
     seed: int = 0
+    # GPUs training uses, one torchrun rank each; null = every GPU of `hardware`. One GPU (or
+    # a CPU) trains in the runner's own process.
+    num_gpus: int | None = None
+    # Shard parameters, gradients and optimizer states across the GPUs (FSDP2) instead of
+    # replicating them (DDP): for drafts whose training state does not fit one GPU.
+    fsdp: bool = False
+    # Ranks on a machine without GPUs (torch.distributed over gloo): exercises the multi-rank
+    # path on CPU (tests, CI); 1 = in the runner's process.
+    cpu_processes: int = 1
+    # A resumable checkpoint every this fraction of an epoch (0.25 = four per epoch; whole
+    # numbers = every N epochs); null = at the end of each epoch. Interrupted training resumes
+    # from the latest one.
+    checkpoint_every: float | None = None
+    # Seconds the trainer gets, after SIGTERM / SIGUSR1 / Ctrl-C, to reach a step boundary and
+    # save its checkpoint before it is killed.
+    stop_timeout_s: int = 600
     # Any further speculators train flag, e.g. {norm_before_fc: true}.
     extra_args: dict[str, Any] = field(default_factory=dict)
 
@@ -243,6 +259,16 @@ class TrainConfig:
         if self.max_steps is not None:
             _at_least("train.max_steps", self.max_steps, 1)
         _at_least("train.num_workers", self.num_workers, 0)
+        _at_least("train.cpu_processes", self.cpu_processes, 1)
+        _at_least("train.stop_timeout_s", self.stop_timeout_s, 1)
+        if self.num_gpus is not None:
+            _at_least("train.num_gpus", self.num_gpus, 1)
+        c = self.checkpoint_every
+        if c is not None and (c <= 0 or (c > 1 and not float(c).is_integer())):
+            raise ConfigError(
+                "train.checkpoint_every",
+                f"{c} must be a fraction of an epoch (0 < x <= 1) or a whole number of epochs",
+            )
         if not 0 < self.val_ratio < 1:
             raise ConfigError("train.val_ratio", f"{self.val_ratio} must be in (0, 1)")
         if self.lr <= 0:
@@ -336,6 +362,35 @@ class RunnerConfig:
             raise ConfigError(
                 "train.draft_attn_impl", "flex attention needs a GPU; use 'sdpa' on CPU"
             )
+        if hw.device == "cpu" and t.num_gpus:
+            raise ConfigError(
+                "train.num_gpus",
+                f"{t.num_gpus} GPUs on hardware '{hw.name}' (device cpu); use null, or "
+                "train.cpu_processes for several CPU ranks",
+            )
+        if hw.device == "cuda" and t.num_gpus is not None and t.num_gpus > hw.num_gpus:
+            raise ConfigError(
+                "train.num_gpus",
+                f"{t.num_gpus} exceeds the {hw.num_gpus} GPU(s) of hardware '{hw.name}' "
+                "(hardware.num_gpus)",
+            )
+        if hw.device == "cuda" and t.cpu_processes != 1:
+            raise ConfigError(
+                "train.cpu_processes", "is for machines without GPUs; use train.num_gpus"
+            )
+        if t.fsdp and self.train_ranks() < 2:
+            raise ConfigError(
+                "train.fsdp",
+                f"shards across ranks, but training has {self.train_ranks()} "
+                "(train.num_gpus / hardware.num_gpus); use it with 2 or more GPUs",
+            )
+
+    def train_ranks(self) -> int:
+        """How many processes train: GPUs on a GPU machine, `cpu_processes` without one."""
+        if self.hardware.device == "cpu":
+            return self.train.cpu_processes
+        n = self.train.num_gpus if self.train.num_gpus is not None else self.hardware.num_gpus
+        return max(n, 1)
 
 
 def check_known_keys(node: DictConfig) -> None:

@@ -50,6 +50,8 @@ class StageContext:
     # the stage is `resumable`; removed once the stage succeeds.
     scratch: Path
     tracker: Tracker | None = None
+    # The command that runs this job again (a stage that stops early tells the user to use it).
+    rerun_command: str = "the same command"
 
 
 @dataclass

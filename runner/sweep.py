@@ -20,12 +20,15 @@ import csv
 import json
 import logging
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
@@ -42,7 +45,7 @@ def sweep_job_tags() -> dict[str, str]:
     if not HydraConfig.initialized():
         return {}
     hc = HydraConfig.get()
-    return {"sweep.job": str(hc.job.num), "sweep.overrides": " ".join(hc.overrides.task)}
+    return {"sweep.job": str(hc.job.num), "sweep.overrides": shlex.join(hc.overrides.task)}
 
 
 def _tracking(config: DictConfig) -> tuple[str, str]:
@@ -65,7 +68,7 @@ class SweepCallback(Callback):
             run_name=f"sweep-{sweep_name}",
             tags={
                 "sweep.config": sweep_name,
-                "sweep.overrides": " ".join(overrides),
+                "sweep.overrides": shlex.join(overrides),
                 "sweep.params": json.dumps(
                     {k: str(v) for k, v in (config.hydra.sweeper.params or {}).items()}
                 ),
@@ -102,10 +105,7 @@ def comparison_rows(client: Any, parent_id: str) -> list[dict[str, Any]]:
         max_results=1000,
     )
     swept = list(json.loads(parent.data.tags.get("sweep.params", "{}")))
-    for o in parent.data.tags.get("sweep.overrides", "").split():
-        key = o.split("=", 1)[0].lstrip("+~")
-        if "," in o and key not in swept:
-            swept.append(key)
+    swept += [k for k in _swept_keys(parent.data.tags.get("sweep.overrides", "")) if k not in swept]
     stages = registry()
     rows = []
     for child in children:
@@ -129,6 +129,16 @@ def comparison_rows(client: Any, parent_id: str) -> list[dict[str, Any]]:
         row["alone_s"] = sum(m.get(f"time/{s}_compute_cost_s", 0.0) for s in names)
         rows.append(row)
     return _same_columns(rows)
+
+
+def _swept_keys(overrides: str) -> list[str]:
+    """Keys that a command line sweeps (`train.lr=1e-3,3e-3`, `range(...)`), as Hydra parses
+    them: a list value such as `run.stages=[prepare,extract]` is not a sweep."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(shlex.split(overrides))
+    except (ValueError, HydraException):
+        return []
+    return [o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()]
 
 
 def _same_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -17,20 +17,16 @@ afterwards only warnings and errors are echoed. The full log goes to `log_path` 
 artifact). A server that exits, or is not ready within `hardware.vllm.ready_timeout_s`, raises
 `ServerError` with the reason and the log's last lines. The server runs in its own process
 group, which is terminated (then killed) on leaving the `with` block for any reason, Ctrl-C and
-SIGTERM included; the kernel also signals it if the runner itself dies.
+SIGTERM included; the kernel also signals it if the runner itself dies (runner/process.py).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import ctypes
 import json
 import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -43,13 +39,13 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from runner.errors import StageError
+from runner.process import ManagedProcess
 from runner.schema import RunnerConfig
 
 log = logging.getLogger("runner")
 
 DEFAULT_COMMAND = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
 _ECHO_AFTER_READY = ("ERROR", "WARNING", "Traceback", "Error")
-_PR_SET_PDEATHSIG = 1
 
 
 class ServerError(StageError):
@@ -61,13 +57,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    # Runs in the child before exec: if the runner is killed outright (SIGKILL), the kernel sends
-    # the server SIGTERM instead of leaving it orphaned and holding the GPUs.
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def engine_args(cfg: RunnerConfig, max_model_len: int) -> list[str]:
@@ -109,21 +98,24 @@ class VllmServer:
         cwd: Path | None = None,
     ):
         self.command = list(command)
-        self.env = env
         self.log_path = Path(log_path)
         self.label = label
         self.ready_timeout_s = ready_timeout_s
-        self.stop_timeout_s = stop_timeout_s
-        self.cwd = cwd
         self.port = int(self.command[self.command.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.model_id: str | None = None
         self.start_s: float | None = None
-        self._proc: subprocess.Popen | None = None
-        self._tail: collections.deque[str] = collections.deque(maxlen=60)
         self._ready = threading.Event()
-        self._reader: threading.Thread | None = None
-        self._old_sigterm: Any = None
+        self._proc = ManagedProcess(
+            self.command,
+            env,
+            self.log_path,
+            label=f"vllm:{label}",
+            stop_timeout_s=stop_timeout_s,
+            cwd=cwd,
+            # Everything while it loads; afterwards only what needs attention.
+            echo=lambda line: not self._ready.is_set() or any(w in line for w in _ECHO_AFTER_READY),
+        )
 
     @classmethod
     def from_config(
@@ -157,7 +149,7 @@ class VllmServer:
     # -- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> VllmServer:
         try:
-            self.start()
+            self._proc.start()
             self.wait_ready()
         except BaseException:
             self.stop()
@@ -167,44 +159,9 @@ class VllmServer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log.info("[%s] starting vLLM: %s", self.label, " ".join(self.command))
-        log.info("[%s] vLLM log: %s", self.label, self.log_path)
-        self._t0 = time.time()
-        self._logf = open(self.log_path, "wb")  # noqa: SIM115 (open while the server runs; stop() closes it)
-        self._logf.write((" ".join(self.command) + "\n").encode())
-        self._proc = subprocess.Popen(
-            self.command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            cwd=self.cwd,
-            # Its own process group: its engine and worker processes go with it.
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        self._reader = threading.Thread(target=self._copy_output, daemon=True)
-        self._reader.start()
-        if threading.current_thread() is threading.main_thread():
-            # SIGTERM (a scheduler cancelling the job) would otherwise end the runner without
-            # running the cleanup below and leave the server holding the machine.
-            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_system_exit)
-
-    def _copy_output(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        for raw in iter(self._proc.stdout.readline, b""):
-            self._logf.write(raw)
-            self._logf.flush()  # users (and `tail -f`) read the log while the server runs
-            line = raw.decode(errors="replace").rstrip()
-            self._tail.append(line)
-            if not self._ready.is_set() or any(w in line for w in _ECHO_AFTER_READY):
-                sys.stdout.write(f"[vllm:{self.label}] {line}\n")
-                sys.stdout.flush()
-        self._logf.flush()
-
     def wait_ready(self) -> None:
-        deadline = self._t0 + self.ready_timeout_s
+        t0 = self._proc.started_at or time.time()
+        deadline = t0 + self.ready_timeout_s
         next_note = time.time() + 15
         while True:
             self.check_alive()
@@ -214,58 +171,37 @@ class VllmServer:
             if now > deadline:
                 raise ServerError(
                     f"vLLM ({self.label}) was not ready after {self.ready_timeout_s:.0f} s "
-                    f"(hardware.vllm.ready_timeout_s); {self._tail_text()}"
+                    f"(hardware.vllm.ready_timeout_s); {self._proc.tail_text()}"
                 )
             if now >= next_note:
                 log.info(
                     "[%s] waiting for vLLM: %.0f s of %.0f s (hardware.vllm.ready_timeout_s)",
                     self.label,
-                    now - self._t0,
+                    now - t0,
                     self.ready_timeout_s,
                 )
                 next_note = now + 15
             time.sleep(1.0)
         models = json.loads(self._get("/v1/models", timeout=10) or "{}").get("data") or []
         if not models:
-            raise ServerError(f"vLLM ({self.label}) is up but serves no model; {self._tail_text()}")
+            raise ServerError(
+                f"vLLM ({self.label}) is up but serves no model; {self._proc.tail_text()}"
+            )
         self.model_id = models[0]["id"]
-        self.start_s = time.time() - self._t0
+        self.start_s = time.time() - t0
         self._ready.set()
         log.info("[%s] vLLM ready in %.1f s at %s", self.label, self.start_s, self.url)
 
     def check_alive(self) -> None:
         """Raise ServerError (with the log's tail) if the server process has exited."""
-        if self._proc is not None and self._proc.poll() is not None:
-            if self._reader is not None:
-                self._reader.join(timeout=5)
+        code = self._proc.exited()
+        if code is not None:
             raise ServerError(
-                f"vLLM ({self.label}) exited with code {self._proc.returncode}; {self._tail_text()}"
+                f"vLLM ({self.label}) exited with code {code}; {self._proc.tail_text()}"
             )
 
     def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            log.info("[%s] stopping vLLM (pid %d)", self.label, proc.pid)
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning(
-                    "[%s] vLLM did not stop within %.0f s; killing it",
-                    self.label,
-                    self.stop_timeout_s,
-                )
-        # Whatever the main process did, nothing it started may outlive it.
-        _signal_group(proc.pid, signal.SIGKILL)
-        proc.wait()
-        if self._reader is not None:
-            self._reader.join(timeout=10)
-        self._logf.close()
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
+        self._proc.stop()
 
     # -- requests --------------------------------------------------------------------------------
     def _get(self, path: str, timeout: float) -> str | None:
@@ -287,10 +223,6 @@ class VllmServer:
     def spec_decode_counters(self) -> dict[str, Any]:
         return spec_decode_counters(self.metrics_text())
 
-    def _tail_text(self, n: int = 40) -> str:
-        lines = list(self._tail)[-n:]
-        return f"last {len(lines)} lines of {self.log_path}:\n" + "\n".join(lines)
-
 
 @contextlib.contextmanager
 def quiet_http_logs():
@@ -304,15 +236,6 @@ def quiet_http_logs():
     finally:
         for q, level in zip(loggers, levels, strict=True):
             q.setLevel(level)
-
-
-def _raise_system_exit(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
 
 
 _COUNTERS = {

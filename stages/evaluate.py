@@ -27,12 +27,12 @@ from typing import Any
 
 from runner.assets import load_prompts
 from runner.errors import StageError
+from runner.integrations.speculators import resolve_train_config
 from runner.schema import RunnerConfig
 from runner.stage import Stage, StageContext
 from runner.target_facts import ModelFacts
 from runner.versions import VLLM_DISTS
 from runner.vllm_server import VllmServer, counters_delta, engine_args, quiet_http_logs
-from stages.train import resolve_argv
 
 log = logging.getLogger("runner")
 _NOT_IN_KEY = ("name", "timeout_s")
@@ -159,9 +159,10 @@ def _random_draft(train_manifest: dict, dest: Path) -> Path:
     argv = list(train_manifest["speculators_argv"])
     i = argv.index("--save-path")
     argv[i + 1] = str(dest)
-    argv = [a for a in argv if a not in ("--logger", "mlflow")] + ["--dry-run"]
+    # A dry run in this process: no MLflow logger, no sharding (that needs torchrun).
+    argv = [a for a in argv if a not in ("--logger", "mlflow", "--fsdp-shard")] + ["--dry-run"]
     slots = tuple(train_manifest.get("slots", ()))
-    speculators_train(resolve_argv(argv, slots))
+    speculators_train(resolve_train_config(argv, slots))
     return dest
 
 

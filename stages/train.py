@@ -1,40 +1,56 @@
 """Stage `train`: an EAGLE-3 draft trained by speculators' own trainer on the extracted files.
 
 Run alone: `python -m runner run.stages=[train]` (needs prepare, extract and vocab in the store).
-Builds speculators' TrainConfig from `cfg.train` (the same flags `speculators train` takes),
-points it at the prepared dataset, the hidden-state folder and the vocab mapping, and calls
-`speculators.train.cli.main`; on a CPU-only host through `runner.integrations.speculators`.
-speculators' MLflow logger writes its metrics into the runner's active run; the same records are
-kept in `metrics.jsonl`. Publishes `draft/`: the checkpoint (config.json + model.safetensors in
-speculators' format, which vLLM serves with `speculative_config={"method": "eagle3", ...}`).
+Builds the `speculators train` command line from `cfg.train` (the same flags), pointing it at the
+prepared dataset, the hidden-state folder and the vocab mapping. One GPU, or a CPU, trains in
+this process (`runner.integrations.speculators.run_training`); more GPUs train under torchrun
+(`train.num_gpus`, default every GPU of `hardware`; `train.fsdp` shards), started as a managed
+child process (runner/process.py) whose rank 0 logs into the runner's MLflow run.
+
+Interrupted training resumes: the work folder (checkpoints, metric records, attempts) is keyed
+by the artifact key and kept until the stage succeeds; the same command continues from the
+latest checkpoint (`train.checkpoint_every` adds them within an epoch). SIGINT, SIGTERM and
+SIGUSR1 (Slurm's warning, through submitit) save a checkpoint at the next step boundary; the
+stage then fails, publishes nothing and prints the command that resumes. Publishes `draft/`:
+the checkpoint (config.json + model.safetensors in speculators' format, which vLLM serves with
+`speculative_config={"method": "eagle3", ...}`), `metrics.jsonl`, and the ranks' log.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
+import signal
+import sys
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runner.errors import ConfigError
+from runner.errors import StageError
 from runner.integrations.speculators import (
     SLOT_BACKEND,
-    SLOTS_ENV,
-    capture_metrics,
-    cpu_training,
+    STOP_SIGNALS,
+    chain_requeue,
     negatable_flags,
-    register_slot_backend,
+    run_training,
 )
 from runner.preflight import Plan, fmt_bytes
+from runner.process import ManagedProcess
 from runner.schema import RunnerConfig
 from runner.stage import PlanView, Stage, StageContext
 from runner.target_facts import ModelFacts
 
-# Settings that change how fast training runs, not what it produces.
-_NOT_IN_KEY = ("name", "num_workers", "log_freq")
+log = logging.getLogger("runner")
+REPO = Path(__file__).resolve().parent.parent
+# Settings that change how fast or how safely training runs, not what it produces (the number
+# of ranks does change it: it enters the key as "ranks").
+_NOT_IN_KEY = ("name", "num_workers", "log_freq", "num_gpus", "cpu_processes", "checkpoint_every",
+               "stop_timeout_s")  # fmt: skip
 # What a resumable checkpoint holds beside the draft; not published.
 _RESUME_ONLY = ("optimizer_state_dict.pt", "scheduler_state_dict.pt")
 
@@ -45,6 +61,7 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         **{k: v for k, v in t.items() if k not in _NOT_IN_KEY},
         "aux_layers": list(facts.aux_layers),
         "device": cfg.hardware.device,
+        "ranks": cfg.train_ranks(),
     }
 
 
@@ -105,8 +122,11 @@ def speculators_argv(
         "--on-missing", "raise",
         "--save-path", str(save_path),
         "--log-dir", str(save_path.parent / "logs"),
-        "--no-resume-from-checkpoint",
     ]  # fmt: skip
+    if t.checkpoint_every is not None:
+        argv += ["--checkpoint-freq", str(t.checkpoint_every)]
+    if t.fsdp:
+        argv += ["--fsdp-shard"]
     if t.max_steps is not None:
         argv += ["--max-steps", str(t.max_steps)]
     if facts.train_slots != tuple(range(len(facts.extract_ids))):
@@ -115,23 +135,6 @@ def speculators_argv(
     if cfg.model.trust_remote_code:
         argv += ["--trust-remote-code"]
     return argv + extra_flags(t.extra_args) + (extra or [])
-
-
-def resolve_argv(argv: list[str], slots: tuple[int, ...]) -> Any:
-    """speculators' TrainConfig for `argv`; a flag it refuses is the config's fault."""
-    from speculators.train.config import TrainConfig  # speculators imports torch: seconds
-
-    if SLOT_BACKEND in argv:
-        register_slot_backend()
-        os.environ[SLOTS_ENV] = ",".join(str(i) for i in slots)
-    try:
-        return TrainConfig.resolve(argv)
-    except SystemExit as exc:  # speculators parses flags with argparse, which exits on a bad one
-        raise ConfigError(
-            "train.extra_args",
-            f"speculators rejected its arguments (exit {exc.code}); see the message above. "
-            f"Arguments: {' '.join(argv)}",
-        ) from None
 
 
 def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -166,10 +169,104 @@ def _pick_checkpoint(save_path: Path) -> Path:
     return epochs[-1]
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
-    from speculators.train.cli import main as speculators_train  # imports torch: seconds
+def _read_json(path: Path, default: Any) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return default
 
-    save_path = ctx.scratch / "checkpoints"
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """Metric records of every attempt; where a resumed run redid a step, its own record wins."""
+    kept: dict[tuple, dict[str, Any]] = {}
+    if path.is_file():
+        for i, line in enumerate(path.read_text().splitlines()):
+            r = json.loads(line)
+            kind = "val" if any(k.startswith("val/") for k in r) else "train"
+            kept[(kind, r["step"]) if r.get("step") is not None else ("other", i)] = r
+    return sorted(kept.values(), key=lambda r: r.get("step") or 0)
+
+
+def _resume_hint(ctx: StageContext) -> str:
+    return (
+        f"Nothing was published; the work folder {ctx.scratch} is kept and the same command "
+        f"resumes from its latest checkpoint: {ctx.rerun_command}"
+    )
+
+
+def _torchrun(ctx: StageContext, argv: list[str], ranks: int) -> dict[str, Any]:
+    """speculators' trainer on `ranks` ranks under torchrun, as a managed child process; returns
+    the outcome rank 0 wrote. SIGINT, SIGTERM and SIGUSR1 are passed to the ranks, which save a
+    checkpoint at their next step boundary and exit."""
+    work, t = ctx.scratch, ctx.cfg.train
+    request = work / "request.json"
+    slots = list(ctx.facts.train_slots)
+    request.write_text(json.dumps({"argv": argv, "slots": slots, "work": str(work)}))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={ranks}", "-m", "runner.integrations.speculators_worker", str(request),
+    ]  # fmt: skip
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    if ctx.tracker is not None and ctx.tracker.run_id:
+        # Rank 0's speculators logger attaches to the runner's run.
+        env.update(MLFLOW_RUN_ID=ctx.tracker.run_id, MLFLOW_TRACKING_URI=ctx.tracker.uri)
+    proc = ManagedProcess(
+        command, env, work / "logs" / "train.log", label="train",
+        stop_timeout_s=t.stop_timeout_s, cwd=REPO,
+        echo=lambda line: "speculators.metrics" not in line,
+    )  # fmt: skip
+    asked: list[str] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        if not asked:
+            asked.append(signal.Signals(signum).name)
+            log.warning("[train] %s: asking the ranks to checkpoint and stop", asked[0])
+            proc.signal_children(signal.SIGTERM)
+
+    previous: dict[int, Any] = {}
+    with proc:
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+        try:
+            deadline = None
+            while (code := proc.exited()) is None:
+                if asked and deadline is None:
+                    deadline = time.time() + t.stop_timeout_s
+                if deadline is not None and time.time() > deadline:
+                    log.warning("[train] the ranks did not stop within train.stop_timeout_s")
+                    break
+                time.sleep(0.5)
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+    outcome = _read_json(work / "outcome.json", None)
+    if asked and asked[0] == "SIGUSR1" and callable(previous.get(signal.SIGUSR1)):
+        previous[signal.SIGUSR1](signal.SIGUSR1, None)  # submitit requeues the Slurm job
+    if outcome is None or (code != 0 and outcome.get("status") != "stopped"):
+        raise StageError(
+            f"training on {ranks} ranks failed (torchrun exit {code}); {proc.tail_text()}\n"
+            f"{_resume_hint(ctx)}"
+        )
+    return outcome
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    work = ctx.scratch
+    save_path = work / "checkpoints"
+    history = _read_json(work / "attempts.json", {"attempts": 0, "resumes": 0, "steps_redone": 0})
+    epochs = sorted(int(p.name) for p in save_path.glob("[0-9]*") if p.is_dir())
+    resuming = bool(epochs)
+    reached_before = _read_json(work / "progress.json", {}).get("global_step", 0)
+    # Counted now, not at the end: an attempt that is killed again still counts.
+    history["attempts"] += 1
+    if resuming:
+        state = _read_json(save_path / str(epochs[-1]) / "training_state.json", {})
+        history["resumes"] += 1
+        history["steps_redone"] += max(0, reached_before - state.get("global_step", 0))
+    (work / "attempts.json").write_text(json.dumps(history))
+    for stale in (work / "outcome.json", *work.glob("memory_rank*.json")):
+        stale.unlink(missing_ok=True)
     argv = speculators_argv(
         ctx.cfg,
         ctx.facts,
@@ -182,10 +279,23 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ctx.manifest["speculators_argv"] = argv
     if SLOT_BACKEND in argv:
         ctx.manifest["slots"] = list(ctx.facts.train_slots)
-    train_config = resolve_argv(argv, ctx.facts.train_slots)
-    with capture_metrics() as capture, cpu_training():
-        speculators_train(train_config)
-    records = capture.records
+    ranks = ctx.cfg.train_ranks()
+    if resuming:
+        log.info("[train] resuming from %s (an earlier run reached step %d)", save_path,
+                 reached_before)  # fmt: skip
+    if ranks == 1:
+        state = run_training(argv, ctx.facts.train_slots, work)
+        outcome = _read_json(work / "outcome.json", {})
+        chain_requeue(state)
+    else:
+        outcome = _torchrun(ctx, argv, ranks)
+    if outcome.get("status") != "finished":
+        raise StageError(
+            f"training was stopped by {outcome.get('signal') or 'a signal'} at epoch "
+            f"{outcome.get('epoch')} step {outcome.get('local_step')} (global step "
+            f"{outcome.get('global_step')}) and saved a checkpoint. {_resume_hint(ctx)}"
+        )
+    records = _records(work / "metrics.jsonl")
     with open(ctx.out / "metrics.jsonl", "w") as fh:
         for r in records:
             fh.write(json.dumps(r) + "\n")
@@ -199,6 +309,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     for f in ("run.yaml", "train_command.txt"):
         if (save_path / f).exists():
             shutil.copy2(save_path / f, ctx.out / f)
+    if (work / "logs" / "train.log").is_file():
+        (ctx.out / "logs").mkdir()
+        shutil.copy2(work / "logs" / "train.log", ctx.out / "logs" / "train.log")
     # Record the layer-id convention in the draft's own config, beside speculators' fields.
     conf_path = draft / "config.json"
     conf = json.loads(conf_path.read_text())
@@ -211,21 +324,80 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "target_num_layers": ctx.facts.num_layers,
     }
     conf_path.write_text(json.dumps(conf, indent=2))
-    checkpoint_bytes = sum(f.stat().st_size for f in draft.iterdir())
-    return {**summarise(records), "checkpoint_bytes": checkpoint_bytes}
+    peaks = [_read_json(p, {}) for p in sorted(work.glob("memory_rank*.json"))]
+    memory = {
+        f"peak_gpu_{kind}_gib": max(p[kind] for p in peaks) / 2**30
+        for kind in ("allocated", "reserved")
+        if peaks and all(kind in p for p in peaks)
+    }
+    return {
+        **summarise(records),
+        **memory,
+        "checkpoint_bytes": sum(f.stat().st_size for f in draft.iterdir()),
+        "ranks": ranks,
+        "resumes": history["resumes"],
+        "steps_redone": history["steps_redone"],
+    }
 
 
-def draft_params(cfg: RunnerConfig, view: PlanView) -> int:
-    """Parameters of the draft: fc from the aux layers, decoder layers, and its LM head."""
+def _intermediate(view: PlanView) -> int:
+    text = view.target.config.get("text_config") or view.target.config
+    return int(text.get("intermediate_size") or 4 * view.target.layout.hidden_size)
+
+
+def trainable_params(cfg: RunnerConfig, view: PlanView) -> int:
+    """What speculators trains: fc from the aux layers and the decoder layers (q/k/v read the
+    token embedding and the fused hidden state side by side: 2h inputs)."""
     layout, t = view.target.layout, cfg.train
     h = layout.hidden_size
-    text = view.target.config.get("text_config") or view.target.config
-    inter = int(text.get("intermediate_size") or 4 * h)
     heads, kv = layout.num_attention_heads, layout.num_key_value_heads
     head_dim = h // heads
     attn = 2 * h * (heads + 2 * kv) * head_dim + h * h
     aux = len(view.target.facts.aux_layers)
-    return aux * h * h + t.num_layers * (attn + 3 * h * inter) + h * t.draft_vocab_size
+    return aux * h * h + t.num_layers * (attn + 3 * h * _intermediate(view))
+
+
+def draft_params(cfg: RunnerConfig, view: PlanView) -> int:
+    """Parameters of the draft checkpoint: the trained ones plus its LM head over the draft
+    vocab (copied from the target's, frozen)."""
+    return trainable_params(cfg, view) + view.target.layout.hidden_size * cfg.train.draft_vocab_size
+
+
+# Bytes per trained parameter beyond the fp32 weight and gradient: optimizer states.
+_OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "muon": 4, "sgd": 4}
+# CUDA context, allocator fragmentation and workspace per GPU, measured on an H200.
+_OVERHEAD_BYTES = 1.5 * 2**30
+
+
+def memory_estimate(cfg: RunnerConfig, view: PlanView) -> dict[str, float]:
+    """Peak training memory per GPU in bytes, by part (and "total"):
+    - state: trained parameters, gradients and optimizer states in fp32 (sharded under FSDP);
+    - frozen: the target's token embedding and the draft's LM head that speculators loads,
+      in fp32 (sharded under FSDP);
+    - logits: draft and teacher logits over the draft vocab in fp32 for every TTT step, with
+      their gradient (eager loss keeps a softmax copy more);
+    - activations: what each decoder layer keeps for backward in bf16, every TTT step;
+    - inputs: one packed batch of captured hidden states in bf16;
+    - buckets: DDP's gradient buckets, a second fp32 copy of the gradients (several ranks);
+    - overhead: CUDA context and allocator slack.
+    Measured on H200 at the Kimi-K2.5 shape (docs/benchmarks.md): 1 GPU 35.7 GiB allocated at
+    peak against 32.0 estimated, 2 GPUs (DDP) 41.4 against 35.4."""
+    t, layout = cfg.train, view.target.layout
+    h, vd, ranks = layout.hidden_size, t.draft_vocab_size, cfg.train_ranks()
+    seq = t.total_seq_len or cfg.data.max_seq_len
+    shard = ranks if t.fsdp else 1
+    trained = trainable_params(cfg, view)
+    parts = {
+        "state": trained * (8 + _OPTIMIZER_BYTES.get(t.optimizer, 8)) / shard,
+        "frozen": (layout.vocab_size + vd) * h * 4 / shard,
+        "logits": t.ttt_steps * seq * vd * 4 * (3 if t.loss_implementation == "fused" else 4),
+        "activations": t.ttt_steps * t.num_layers * seq * (10 * h + 3 * _intermediate(view)) * 2,
+        "inputs": seq * (len(view.target.facts.extract_ids) + 1) * h * 2,
+        "buckets": trained * 4 if ranks > 1 and not t.fsdp else 0,
+        "overhead": _OVERHEAD_BYTES,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
 
 
 def plan(p: Plan, view: PlanView) -> None:
@@ -247,6 +419,40 @@ def plan(p: Plan, view: PlanView) -> None:
         f"{seq} tokens x {vd} draft vocab x fp32 = {fmt_bytes(draft_logits)} per batch (full vocab "
         f"would be {fmt_bytes(full_logits)}; {fmt_bytes(layout.vocab_size * 4)}/token)",
     )
+    ranks, hw = cfg.train_ranks(), cfg.hardware
+    mode = "in this process" if ranks == 1 else f"torchrun, {'FSDP2' if t.fsdp else 'DDP'}"
+    every = (
+        f"every {t.checkpoint_every:g} epoch(s)" if t.checkpoint_every else "at each epoch's end"
+    )
+    what = "GPU(s)" if hw.device == "cuda" else "CPU process(es)"
+    p.add(
+        "training",
+        f"{ranks} {what} ({mode}; train.num_gpus, train.fsdp), checkpoints {every} "
+        "(train.checkpoint_every)",
+    )
+    if hw.device != "cuda":
+        return
+    mem = memory_estimate(cfg, view)
+    p.numbers["train_memory_bytes"] = mem["total"]
+    gib = 2**30
+    of_gpu = f" of {hw.gpu_memory_gib:g} GiB" if hw.gpu_memory_gib else ""
+    p.add(
+        "training memory",
+        f"~{mem['total'] / gib:.1f} GiB per GPU{of_gpu}: "
+        + ", ".join(f"{k} {v / gib:.1f}" for k, v in mem.items() if k != "total"),
+    )
+    if hw.gpu_memory_gib and mem["total"] > 0.95 * hw.gpu_memory_gib * gib:
+        if mem["logits"] + mem["activations"] >= mem["state"] + mem["frozen"]:
+            key, fix = "train.total_seq_len", "lower it: logits and activations grow with it"
+        elif not t.fsdp:
+            key, fix = "train.fsdp", "set it true to shard the training state across GPUs"
+        else:
+            key, fix = "train.num_gpus", "raise it to shard the training state further"
+        p.error(
+            key,
+            f"training needs ~{mem['total'] / gib:.1f} GiB per GPU, more than the "
+            f"{hw.gpu_memory_gib:g} GiB of hardware '{hw.name}'; {fix}",
+        )
 
 
 def summary(metrics: dict[str, Any], path: Path, _cfg: RunnerConfig) -> list[str]:
@@ -265,8 +471,10 @@ STAGE = Stage(
     version="1",
     libraries={"speculators": ("speculators",), "torch": ("torch",)},
     identities=("tokenizer_id", "weights_id"),
-    logged={"draft": "draft", "metrics.jsonl": "train"},
+    logged={"draft": "draft", "metrics.jsonl": "train", "logs": "train/logs"},
     summary=summary,
     columns=columns,
     plan=plan,
+    # The work folder (checkpoints) survives a failed or interrupted run: the next one resumes.
+    resumable=True,
 )

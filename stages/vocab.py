@@ -63,6 +63,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 def summary(metrics: dict[str, Any], _path: Path, _cfg: RunnerConfig) -> list[str]:
+    if "coverage" not in metrics:  # an artifact made elsewhere (e.g. a benchmark's)
+        return []
     return [
         f"draft vocab {metrics['draft_vocab_size']} of {metrics['target_vocab_size']} covers "
         f"{metrics['coverage']:.1%} of assistant tokens"

@@ -120,6 +120,14 @@ def test_wrong_type_is_rejected_with_its_name():
         (["extract.superset_presets=[middle]"], "extract.superset_presets"),
         (["model.capture_preset=middle"], "model.capture_preset"),
         (["hardware.vllm.ready_timeout_s=0"], "hardware.vllm.ready_timeout_s"),
+        (["train.num_gpus=1"], "train.num_gpus"),  # on a CPU box
+        (["hardware=blackwell8", "train.num_gpus=9"], "train.num_gpus"),
+        (["hardware=gpu1", "train.fsdp=true"], "train.fsdp"),  # one rank: nothing to shard
+        (["train.fsdp=true"], "train.fsdp"),
+        (["hardware=gpu1", "train.cpu_processes=2"], "train.cpu_processes"),
+        (["train.cpu_processes=0"], "train.cpu_processes"),
+        (["train.checkpoint_every=1.5"], "train.checkpoint_every"),
+        (["train.checkpoint_every=0"], "train.checkpoint_every"),
     ],
 )
 def test_impossible_values_fail_before_anything_loads(overrides, key):
@@ -127,6 +135,15 @@ def test_impossible_values_fail_before_anything_loads(overrides, key):
     with pytest.raises(ConfigError) as info:
         check_declared(cfg)
     assert info.value.key == key
+
+
+def test_a_gpu_box_selects_the_gpu_recipe_unless_told_otherwise():
+    assert compose(["hardware=blackwell8"]).train.name == "eagle3-gpu"
+    assert compose(["hardware=blackwell8", "train=eagle3_small"]).train.name == "eagle3-small"
+    assert compose([]).train.name == "eagle3-small"
+    cfg = check_declared(compose(["hardware=blackwell8"]))
+    assert cfg.train_ranks() == 8 and not cfg.train.fsdp  # every GPU of the box, DDP
+    assert check_declared(compose(["hardware=blackwell8", "train.num_gpus=4"])).train_ranks() == 4
 
 
 def test_default_aux_layers_follow_speculators():

@@ -16,6 +16,9 @@ from tests.conftest import compose
 
 pytestmark = pytest.mark.e2e
 
+# The trained draft must beat a random draft of the same shape by at least this much acceptance
+# length on the lane's prompts (measured: see test_the_draft_beats_a_random_one).
+BEATS_RANDOM_BY = 0.02
 REDUCED = [
     "data.num_samples=48",
     "data.max_seq_len=256",
@@ -87,15 +90,12 @@ def test_acceptance_is_measured_by_vllm(runs):
     first, _ = runs
     m = first.results["evaluate"].metrics
     assert m["prompts"] == 6 and m["generated_tokens"] > 0 and m["drafts"] > 0
-    assert 1.0 <= m["acceptance_length"] <= 4.0
     assert math.isclose(m["acceptance_length"], 1 + m["accepted_tokens"] / m["drafts"])
     assert [f"acceptance_pos_{i}" for i in range(3)] == sorted(
         k for k in m if k.startswith("acceptance_pos_")
     )
-    # A random draft of the same shape proposes almost nothing the target accepts.
-    assert m["random_acceptance_length"] < 1.05
-    # Speculation must not change greedy output; bf16 ties may flip a rare token.
-    assert m["identical_to_target_fraction"] >= 0.5
+    # Speculation must not change greedy output, on any prompt.
+    assert m["identical_to_target_fraction"] == 1.0
     assert "teacher_forced_acceptance_length" in m
     # Three servers (draft, target, random draft), each started, logged and stopped by the runner.
     logs = first.results["evaluate"].path / "logs"
@@ -137,3 +137,13 @@ def test_mlflow_run_holds_everything(runs):
         "draft/config.json",
         "draft/model.safetensors",
     }
+
+
+def test_the_draft_beats_a_random_one(runs):
+    """Served through the same vLLM path on the same prompts, a random draft of the same shape
+    and vocab mapping proposes almost nothing the target accepts; the trained one must clearly
+    do better."""
+    first, _ = runs
+    m = first.results["evaluate"].metrics
+    assert m["random_acceptance_length"] < 1.02
+    assert m["acceptance_length"] >= m["random_acceptance_length"] + BEATS_RANDOM_BY, m

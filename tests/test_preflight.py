@@ -14,11 +14,11 @@ from tests.conftest import compose
 KIMI = str(Path(__file__).parent / "data" / "kimi_k25")
 # 100 rows x 512 tokens of Kimi hidden states plan 2.7 GiB: the plan's disk check must not depend
 # on how full the test machine's disk is (800 rows would need 21.9 GiB free).
+# The design card's command, nothing else: the hardware selects the GPU training recipe.
 KIMI_BOX = [
     "model=kimi_k25",
     f"model.source={KIMI}",
     "hardware=blackwell8",
-    "train=eagle3_gpu",
     "run.plan_only=true",
     "data.num_samples=100",
 ]
@@ -51,6 +51,9 @@ def test_kimi_on_blackwell8_plan_from_config_json_alone(tmp_path, capsys):
     ):
         assert text in out, text
     assert not p.errors
+    # GPU recipe (8k packs, 32k draft vocab) on all eight GPUs, and its memory per GPU.
+    assert "8 GPU(s) (torchrun, DDP" in out
+    assert 28 * 2**30 < n["train_memory_bytes"] < 45 * 2**30 < 96 * 2**30
 
 
 @pytest.mark.parametrize(
@@ -75,6 +78,8 @@ def test_kimi_on_blackwell8_plan_from_config_json_alone(tmp_path, capsys):
         (["model.num_layers=60"], "model.num_layers"),  # declared fact vs config.json
         (["model.architecture=DeepseekV3ForCausalLM"], "model.architecture"),
         (["+model._target_=os.system"], "model._target_"),  # the runner instantiates nothing
+        (["train.total_seq_len=131072"], "train.total_seq_len"),  # logits alone exceed 96 GB
+        (["train.optimizer=adamw", "train.num_layers=8"], "train.fsdp"),  # 8-layer draft state
     ],
 )
 def test_wrong_config_fails_in_preflight_with_the_key(tmp_path, overrides, key):
@@ -225,3 +230,11 @@ def test_weights_estimate_counts_int4_experts_and_bf16_rest():
     estimate, kind = weight_bytes(layout, quant)
     assert kind == "routed experts int4, rest bf16"
     assert estimate == experts * (0.5 + 2 / 32) + (10_000 - experts) * 2
+
+
+def test_the_filesystem_of_the_output_root_is_read_from_the_mounts(tmp_path):
+    from runner.preflight import LOCAL_FILESYSTEMS, filesystem_of
+
+    kind = filesystem_of(tmp_path / "not" / "yet" / "there")
+    assert kind != "unknown" and kind == filesystem_of(tmp_path)
+    assert "ext4" in LOCAL_FILESYSTEMS and "nfs4" not in LOCAL_FILESYSTEMS

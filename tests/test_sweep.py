@@ -127,3 +127,33 @@ def test_parallel_jobs_compute_each_shared_artifact_once(tiny12_model_dir, chats
         for stage in ("prepare", "extract", "vocab", "train")
     )
     assert counts == (1, 1, 1, 4)
+
+
+def test_a_sweep_through_submitit_runs_each_job_as_its_own_process(
+    tiny12_model_dir, chats_jsonl, tmp_path
+):
+    """The Slurm code path (hydra-submitit-launcher) without a cluster: submitit's local
+    executor starts each job as a process; the jobs share one extraction through the store's
+    locks, and the parent run holds both."""
+    import mlflow
+
+    from runner.sweep import comparison_rows
+
+    proc = run_sweep(tiny12_model_dir, chats_jsonl, tmp_path, "train.lr=1e-3,3e-3",
+                     "hydra/launcher=submitit_local")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Submitit 'local' sweep output dir" in proc.stdout + proc.stderr
+    assert list((tmp_path / "hydra" / "multirun").glob("*/.submitit/*"))  # submitit's job folders
+    counts = tuple(
+        len([p for p in (tmp_path / "store" / stage).iterdir() if not p.name.startswith(".")])
+        for stage in ("prepare", "extract", "vocab", "train")
+    )
+    assert counts == (1, 1, 1, 2)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("eagle3")
+    (parent,) = client.search_runs([exp.experiment_id], filter_string="tags.`sweep.config` != ''")
+    assert parent.info.status == "FINISHED"
+    rows = comparison_rows(client, parent.info.run_id)
+    assert sorted(r["train.lr"] for r in rows) == ["0.001", "0.003"]
+    assert all(r["status"] == "FINISHED" for r in rows)
+    assert "run.stages" not in rows[0]  # a list value, not a swept key

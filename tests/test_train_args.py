@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from runner.errors import ConfigError
+from runner.integrations.speculators import resolve_train_config as resolve_argv
 from runner.schema import typed
 from runner.target_facts import ModelFacts
-from stages.train import extra_flags, resolve_argv, speculators_argv
+from stages.train import extra_flags, speculators_argv
 from tests.conftest import compose
 
 FACTS = ModelFacts(path="/models/target", num_layers=30, hidden_size=576, vocab_size=49152,

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from runner.schema import typed
 from runner.vllm_server import ServerError, VllmServer, spec_decode_counters
 from tests.conftest import compose
 
@@ -44,12 +45,14 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 def _server(tmp_path, mode: str, timeout_s: int = 60) -> VllmServer:
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
-    cfg = compose(
-        [
-            f"hardware.vllm.command=[{sys.executable},{script},{mode}]",
-            f"hardware.vllm.ready_timeout_s={timeout_s}",
-            "hardware.vllm.stop_timeout_s=5",
-        ]
+    cfg = typed(
+        compose(
+            [
+                f"hardware.vllm.command=[{sys.executable},{script},{mode}]",
+                f"hardware.vllm.ready_timeout_s={timeout_s}",
+                "hardware.vllm.stop_timeout_s=5",
+            ]
+        )
     )
     return VllmServer.from_config(
         cfg, "/models/target", ["--dtype", "bfloat16"], tmp_path / "logs" / "vllm.log", label="test"
@@ -113,7 +116,7 @@ def test_a_server_that_never_becomes_ready_times_out_and_is_killed(tmp_path):
 
 
 def test_real_vllm_rejecting_a_flag_fails_with_its_message(tmp_path):
-    cfg = compose(["hardware.vllm.extra_args=[--max-model-len,not-a-number]"])
+    cfg = typed(compose(["hardware.vllm.extra_args=[--max-model-len,not-a-number]"]))
     server = VllmServer.from_config(cfg, str(tmp_path), [], tmp_path / "vllm.log", label="test")
     with pytest.raises(ServerError) as err, server:
         pass

@@ -3,9 +3,16 @@ installed with it). Everything here patches or subclasses something speculators 
 offer as an extension point; the stages call these and nothing else of its private API.
 
 Private APIs touched:
-- `speculators.train.trainer.Trainer.setup_trainer` and its `local_rank` / `device_type`
-  attributes, `speculators.train.trainer._StepTimer` and `speculators.train.cli.Trainer`
-  (`cpu_training`: the trainer assumes a GPU in three places).
+- `speculators.train.trainer.Trainer`: `setup_trainer` and its `local_rank` / `device_type` /
+  `global_step` / `_resume_local_step` attributes, `train_epoch`'s `step_callback`,
+  `maybe_save_checkpoint(epoch, local_step)`, `run_training.__wrapped__` (the method without
+  speculators' interrupt decorator), `is_distributed`; `speculators.train.trainer._StepTimer`;
+  `speculators.train.cli.Trainer` and `cli.maybe_setup_distributed`; the module state of
+  `speculators.train.distributed` (`_rank`, `_world_size`, `_init_sp_process_groups`, ...);
+  `speculators.train.checkpointer.get_current_device` (it answers "cuda:0" without a GPU)
+  (`runner_training`: CPU, gloo, stop at a step boundary with a resumable checkpoint).
+- `speculators.losses.fused.loss_forward_kernel` / `loss_backward_kernel` autotuner `configs`
+  and `keys` (`fix_fused_loss_for_torch_compile`, torch 2.11 only).
 - `speculators.train.cli.setup_metric_logger` and the "speculators.metrics" logger's record
   format (`capture_metrics`: keeps the metric dicts its MLflow logger receives).
 - `hs_connectors.transfer.FileBackend` / `FileTransfer.get_cached` and the
@@ -21,15 +28,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import re
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runner.errors import ConfigError
 from runner.tracking import flatten
 
 # The hidden-states backend that reads only some slots, and the variable that says which.
@@ -38,34 +50,138 @@ SLOTS_ENV = "EAGLE3_RUNNER_SLOTS"
 # speculators' data-generation client logs each sample it gives up on with this line.
 _SKIPPED = re.compile(r"Skipping sample (\d+) due to error: (.*)")
 GENERATE_LOGGER = "speculators.cli.generate_offline_data"
+log = logging.getLogger("runner")
+
+
+class StopRequested(Exception):
+    """Raised at a step boundary once a stop signal arrived and the checkpoint is saved."""
+
+
+@dataclass
+class TrainingState:
+    """What one training call reports back: where it got to, and whether it was asked to stop."""
+
+    # The signal that asked for a stop (first one wins), or None.
+    stop_signal: str | None = None
+    # Global step this call started from (> 0 after a resume) and the last one it finished.
+    resumed_from_step: int = 0
+    global_step: int = 0
+    epoch: int = 0
+    local_step: int = 0
+    # Handlers that were in place before ours, e.g. submitit's SIGUSR1 requeue.
+    previous_handlers: dict[int, Any] = field(default_factory=dict)
+    # Rank 0 writes {"global_step": n} here after every step (what a killed run got to).
+    progress_path: Path | None = None
+
+
+# Signals that mean "checkpoint and stop": Ctrl-C, a scheduler's cancel, Slurm's warning before a
+# time limit (sent through submitit).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 @contextmanager
-def cpu_training() -> Iterator[None]:
-    """Run speculators' trainer on a machine without an accelerator, for one training call.
+def _stop_signals(state: TrainingState) -> Iterator[None]:
+    """The first stop signal sets `state.stop_signal`; the trainer acts on it at the next step
+    boundary. Later signals get the previous handlers (a second Ctrl-C forces the exit)."""
 
-    The trainer moves the model and batches to `local_rank` (an int, i.e. cuda:0), autocasts on
-    `current_accelerator()` (falling back to "cuda"), and its step timer calls
-    `torch.accelerator.synchronize()`, which raises on a CPU-only host. This swaps in a Trainer
-    subclass and a step timer that fix exactly those. With a GPU present it changes nothing.
+    def handler(signum: int, _frame: Any) -> None:
+        if state.stop_signal is None:
+            state.stop_signal = signal.Signals(signum).name
+            for sig, old in state.previous_handlers.items():
+                if sig != signal.SIGUSR1:  # kept for the requeue after the checkpoint
+                    signal.signal(sig, old)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    state.previous_handlers = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in state.previous_handlers.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+def chain_requeue(state: TrainingState) -> None:
+    """After a SIGUSR1 checkpoint, hand the signal to whoever handled it before us (submitit's
+    handler requeues the Slurm job)."""
+    old = state.previous_handlers.get(signal.SIGUSR1)
+    if state.stop_signal == "SIGUSR1" and callable(old):
+        old(signal.SIGUSR1, None)
+
+
+@contextmanager
+def runner_training(state: TrainingState) -> Iterator[None]:
+    """Run speculators' trainer the way the runner needs, for one `cli.main` call:
+
+    - on a machine without an accelerator: the trainer moves the model and batches to
+      `local_rank` (an int, i.e. cuda:0), autocasts on `current_accelerator()` (falling back to
+      "cuda"), and its step timer calls `torch.accelerator.synchronize()`, which raises on a
+      CPU-only host; `torch.distributed` goes through gloo instead of the accelerator's backend;
+    - stops on SIGINT, SIGTERM or SIGUSR1 at the next step boundary, with a mid-epoch
+      checkpoint that speculators resumes from (its own handler saves an "interrupted" one that
+      it does not resume from), then raises StopRequested; all ranks agree on the boundary;
+    - records where training got to in `state`.
     """
+    import speculators.train.checkpointer as checkpointer_mod
     import speculators.train.cli as cli  # speculators imports torch: seconds
     import speculators.train.trainer as trainer_mod
     import torch
+    import torch.distributed as dist
 
-    if torch.accelerator.is_available():
-        yield
-        return
-
+    on_cpu = not torch.accelerator.is_available()
     base_trainer = trainer_mod.Trainer
     base_timer = trainer_mod._StepTimer
+    base_setup_distributed = cli.maybe_setup_distributed
+    base_device = checkpointer_mod.get_current_device
 
-    class CPUTrainer(base_trainer):  # type: ignore[misc, valid-type]
+    class RunnerTrainer(base_trainer):  # type: ignore[misc, valid-type]
         def setup_trainer(self) -> None:
-            # Runs after __init__ chose local_rank/device_type and before setup_model uses them.
-            self.local_rank = "cpu"
-            self.device_type = "cpu"
+            if on_cpu:
+                # Runs after __init__ chose local_rank/device_type, before setup_model uses them.
+                self.local_rank = "cpu"
+                self.device_type = "cpu"
             super().setup_trainer()
+            state.resumed_from_step = state.global_step = self.global_step
+
+        def _stop_now(self) -> bool:
+            asked = state.stop_signal is not None
+            if not self.is_distributed:
+                return asked
+            flag = torch.tensor([float(asked)], device="cpu" if on_cpu else self.local_rank)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+            return bool(flag.item())
+
+        def train_epoch(self, epoch: int, *, step_callback: Any = None) -> Any:
+            start = getattr(self, "_resume_local_step", 0)  # read before speculators resets it
+            done = 0
+
+            def on_step() -> None:
+                nonlocal done
+                done += 1
+                if step_callback is not None:
+                    step_callback()
+                state.epoch, state.local_step = epoch, start + done
+                state.global_step = self.global_step
+                if state.progress_path is not None and getattr(self, "rank", 0) == 0:
+                    tmp = state.progress_path.with_suffix(".tmp")
+                    tmp.write_text(json.dumps({"global_step": self.global_step}))
+                    os.replace(tmp, state.progress_path)
+                if self._stop_now():
+                    self.maybe_save_checkpoint(epoch, local_step=start + done)
+                    raise StopRequested(
+                        f"stopped by {state.stop_signal or 'another rank'} at epoch {epoch} "
+                        f"step {start + done} (global step {self.global_step}); checkpoint saved"
+                    )
+
+            return super().train_epoch(epoch, step_callback=on_step)
+
+        def run_training(self) -> Any:
+            # speculators' own decorator turns the first signal into an exception anywhere in
+            # the step (and an "interrupted" checkpoint it does not resume from); ours waits for
+            # the step boundary instead.
+            with _stop_signals(state):
+                return base_trainer.run_training.__wrapped__(self)
 
     class CPUStepTimer(base_timer):  # type: ignore[misc, valid-type]
         # Same measurements without the accelerator barrier: CPU work is synchronous.
@@ -76,22 +192,68 @@ def cpu_training() -> Iterator[None]:
         def now(self) -> float | None:
             return time.perf_counter() if self.enabled else None
 
-    cli.Trainer = CPUTrainer
-    trainer_mod._StepTimer = CPUStepTimer
+    def setup_distributed_on_cpu(sp_size: int = 1) -> None:
+        """speculators' maybe_setup_distributed with gloo, for ranks without an accelerator."""
+        import speculators.train.distributed as d
+
+        if "LOCAL_RANK" not in os.environ:
+            return
+        dist.init_process_group("gloo")
+        d._local_rank = int(os.environ["LOCAL_RANK"])
+        d._is_distributed = True
+        d._rank, d._world_size = dist.get_rank(), dist.get_world_size()
+        d._init_sp_process_groups(d._rank, d._world_size, sp_size)
+
+    cli.Trainer = RunnerTrainer
+    if on_cpu:
+        trainer_mod._StepTimer = CPUStepTimer
+        cli.maybe_setup_distributed = setup_distributed_on_cpu
+        # Resuming loads checkpoints onto "the current accelerator", "cuda:0" when there is none.
+        checkpointer_mod.get_current_device = lambda: "cpu"
+    fix_fused_loss_for_torch_compile()
     try:
         yield
     finally:
         cli.Trainer = base_trainer
         trainer_mod._StepTimer = base_timer
+        cli.maybe_setup_distributed = base_setup_distributed
+        checkpointer_mod.get_current_device = base_device
+
+
+def fix_fused_loss_for_torch_compile() -> bool:
+    """torch 2.11: speculators' fused loss fails inside torch.compile with "ListVariable(...) is
+    already tracked for mutation": one `triton.autotune` object decorates both
+    `loss_forward_kernel` and `loss_backward_kernel` in speculators/losses/fused.py, so the two
+    autotuners share their `configs` and `keys` lists. Giving the backward kernel its own copies
+    (same values) fixes it and changes no number. Applied on torch 2.11 only (newer versions are
+    unverified); True if applied."""
+    import torch
+
+    from runner.versions import version_tuple
+
+    if version_tuple(torch.__version__)[:2] != (2, 11):
+        return False
+    try:
+        import speculators.losses.fused as fused  # needs triton: GPU machines only
+    except ImportError:
+        return False
+    fwd, bwd = fused.loss_forward_kernel, fused.loss_backward_kernel
+    if getattr(bwd, "configs", None) is getattr(fwd, "configs", ()):
+        bwd.configs = list(bwd.configs)
+    if getattr(bwd, "keys", None) is getattr(fwd, "keys", ()):
+        bwd.keys = list(bwd.keys)
+    return True
 
 
 class MetricCapture(logging.Handler):
     """Keeps speculators' metric records (the dicts its MLflow logger receives), flattened to
-    "train/loss"-style keys."""
+    "train/loss"-style keys; with `path`, also appends each to that JSONL file as it comes, so a
+    run that is killed keeps what it logged."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path | None = None) -> None:
         super().__init__()
         self.records: list[dict[str, Any]] = []
+        self.path = path
 
     def emit(self, record: logging.LogRecord) -> None:
         if isinstance(record.msg, dict) and not getattr(record, "hparams", False):
@@ -100,15 +262,20 @@ class MetricCapture(logging.Handler):
                 for k, v in flatten(record.msg, sep="/").items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)
             }
-            self.records.append({"step": getattr(record, "step", None), **numbers})
+            entry = {"step": getattr(record, "step", None), **numbers}
+            self.records.append(entry)
+            if self.path is not None:
+                with open(self.path, "a") as fh:
+                    fh.write(json.dumps(entry) + "\n")
 
 
 @contextmanager
-def capture_metrics() -> Iterator[MetricCapture]:
-    """Collect the metric records of one speculators training call."""
+def capture_metrics(path: Path | None = None) -> Iterator[MetricCapture]:
+    """Collect the metric records of one speculators training call (and append them to
+    `path`)."""
     import speculators.train.cli as cli
 
-    capture = MetricCapture()
+    capture = MetricCapture(path)
     original = cli.setup_metric_logger
 
     def setup_then_capture(*args: Any, **kwargs: Any) -> Any:
@@ -202,3 +369,57 @@ def recording_skips() -> Iterator[SkipRecorder]:
         yield rec
     finally:
         logger.removeHandler(rec)
+
+
+def resolve_train_config(argv: list[str], slots: tuple[int, ...]) -> Any:
+    """speculators' TrainConfig for `argv` (registering the slot backend when it is named);
+    a flag speculators refuses is the config's fault."""
+    from speculators.train.config import TrainConfig  # speculators imports torch: seconds
+
+    if SLOT_BACKEND in argv:
+        register_slot_backend()
+        os.environ[SLOTS_ENV] = ",".join(str(i) for i in slots)
+    try:
+        return TrainConfig.resolve(argv)
+    except SystemExit as exc:  # speculators parses flags with argparse, which exits on a bad one
+        raise ConfigError(
+            "train.extra_args",
+            f"speculators rejected its arguments (exit {exc.code}); see the message above. "
+            f"Arguments: {' '.join(argv)}",
+        ) from None
+
+
+def run_training(argv: list[str], slots: tuple[int, ...], work: Path) -> TrainingState:
+    """One call of speculators' trainer in this process (the only rank, or one of torchrun's).
+
+    Rank 0 appends its metric records to work/metrics.jsonl (across resumed attempts) and writes
+    work/outcome.json: {"status": "finished" | "stopped", "signal", "epoch", "local_step",
+    "global_step", "resumed_from_step"}. A stop (SIGINT, SIGTERM, SIGUSR1) returns normally with
+    status "stopped" after its checkpoint is saved.
+    """
+    import torch
+    from speculators.train.cli import main as speculators_train  # imports torch: seconds
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    config = resolve_train_config(argv, slots)
+    state = TrainingState(progress_path=work / "progress.json")
+    status = "finished"
+    with capture_metrics(work / "metrics.jsonl" if rank0 else None), runner_training(state):
+        try:
+            speculators_train(config)
+        except StopRequested as stop:
+            log.warning("%s", stop)
+            status = "stopped"
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():  # each rank's peak, for the plan's estimate to be checked
+        peak = {"allocated": torch.cuda.max_memory_allocated(),
+                "reserved": torch.cuda.max_memory_reserved()}  # fmt: skip
+        (work / f"memory_rank{rank}.json").write_text(json.dumps(peak))
+    if rank0:
+        outcome = {"status": status, "signal": state.stop_signal, "epoch": state.epoch,
+                   "local_step": state.local_step, "global_step": state.global_step,
+                   "resumed_from_step": state.resumed_from_step}  # fmt: skip
+        tmp = work / "outcome.json.tmp"
+        tmp.write_text(json.dumps(outcome))
+        os.replace(tmp, work / "outcome.json")
+    return state

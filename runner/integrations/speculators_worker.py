@@ -1,0 +1,29 @@
+"""One training rank under torchrun: `torchrun --nproc_per_node N -m
+runner.integrations.speculators_worker REQUEST.json`, started by stages/train.py.
+
+REQUEST.json holds {"argv": speculators train flags, "slots": [...], "work": folder}. Each rank
+runs speculators' trainer through `runner.integrations.speculators.run_training` (CPU and gloo
+adapters, stop at a step boundary with a resumable checkpoint); rank 0 writes the metric records
+and outcome.json into the work folder, which the runner reads after torchrun exits. A stop exits
+0 (the outcome says "stopped"); anything else propagates and torchrun reports it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from runner.integrations.speculators import run_training
+
+
+def main(request_file: str) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    request = json.loads(Path(request_file).read_text())
+    run_training(list(request["argv"]), tuple(request["slots"]), Path(request["work"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

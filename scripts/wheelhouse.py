@@ -1,0 +1,186 @@
+"""Wheels for an air-gapped machine (a GPU cluster, the measurement boxes), and their install.
+
+Build, here (with the package registry), for another machine's Python and platform, from the
+project's own dependency list, leaving out what that machine already has:
+
+    python scripts/wheelhouse.py build wheelhouse/ --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 --have have.txt [--extra gpu] [--exclude vllm]
+
+`have.txt` lists the other machine's packages, one per line: `python3 -m pip freeze` run there
+(versions are then kept: this machine resolves against them), or bare names. The project
+itself is built as a wheel too. Dependencies are resolved with this machine's pip and Python
+against those constraints, then each missing one is downloaded for the target platform (a pure
+Python sdist, such as antlr4's, is built into a wheel here).
+
+Install, there (no network):
+
+    python3 scripts/wheelhouse.py install wheelhouse/ [--target DIR]
+
+`make wheelhouse` builds one for the H200 machines of this workplace (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from pathlib import Path
+
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parent.parent
+# Compatible manylinux tags, newest first; pip matches each exactly.
+MANYLINUX = ["manylinux_2_28", "manylinux_2_27", "manylinux_2_17", "manylinux2014", "manylinux1"]
+
+
+def normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_have(path: Path | None) -> tuple[set[str], list[str]]:
+    """(names the target has, `name==version` for those listed with a version)."""
+    names, pins = set(), []
+    for line in path.read_text().splitlines() if path else []:
+        line = line.split("#")[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        m = re.match(r"([A-Za-z0-9_.\-]+)(?:\[.*\])?\s*(?:==\s*([^\s;]+))?", line)
+        if not m:
+            continue
+        names.add(normalise(m.group(1)))
+        if m.group(2):
+            pins.append(
+                f"{m.group(1)}=={m.group(2).split('+')[0]}"
+            )  # local labels (+cu130) dropped
+    return names, pins
+
+
+def project_requirements(extras: list[str]) -> list[str]:
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = list(meta["dependencies"])
+    for extra in extras:
+        reqs += meta.get("optional-dependencies", {}).get(extra, [])
+    return reqs
+
+
+def pip(*args: str, quiet: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", *(["-q"] if quiet else [])]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True)
+
+
+def _requires(wheel: Path, env: dict[str, str]) -> list[Requirement]:
+    """A wheel's dependencies that apply on the target (markers evaluated for it)."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+    reqs = []
+    for line in text.splitlines():
+        if line.startswith("Requires-Dist:"):
+            req = Requirement(line.split(":", 1)[1].strip())
+            if req.marker is None or req.marker.evaluate({**env, "extra": ""}):
+                reqs.append(req)
+    return reqs
+
+
+def _fetch(req: Requirement, out: Path, target: list[str], tested: dict[str, str]) -> Path:
+    """The wheel for `req` on the target: downloaded, or built here from a pure-Python sdist.
+    The version this environment runs (the one the tests pass with) is preferred."""
+    mine = tested.get(normalise(req.name))
+    ok = mine is not None and req.specifier.contains(mine, prereleases=True)
+    spec = f"{req.name}=={mine}" if ok else f"{req.name}{req.specifier}"
+    with tempfile.TemporaryDirectory() as tmp:
+        r = pip("download", "--no-deps", "-d", tmp, *target, spec)
+        if r.returncode:  # no wheel for that platform: a pure-Python sdist builds here
+            r = pip("wheel", "--no-deps", "-w", tmp, spec)
+            if r.returncode:
+                sys.exit(f"no wheel of {spec} for the target:\n{r.stderr[-2000:]}")
+        (wheel,) = Path(tmp).glob("*.whl")
+        dest = out / wheel.name
+        wheel.replace(dest)
+    return dest
+
+
+def build(args: argparse.Namespace) -> int:
+    """Walk the dependency graph from the project's requirements, down to what the target has
+    (a package it has is not entered, so torch's CUDA libraries are never resolved here). The
+    first version that satisfies a requirement is taken; a later, narrower requirement that it
+    does not satisfy stops the build with both named."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    have, _ = read_have(Path(args.have) if args.have else None)
+    skip = {normalise(x) for x in args.exclude} | have
+    platforms = [f"--platform={p}_{args.arch}" for p in MANYLINUX] + ["--platform=any"]
+    target = ["--python-version", args.python_version, "--implementation", "cp",
+              "--only-binary=:all:", *platforms]  # fmt: skip
+    env = {**default_environment(), "python_version": args.python_version,
+           "python_full_version": f"{args.python_version}.0", "sys_platform": "linux",
+           "platform_machine": args.arch, "implementation_name": "cpython"}  # fmt: skip
+    tested = {normalise(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    queue = [Requirement(r) for r in project_requirements(args.extra)]
+    taken: dict[str, tuple[str, Path]] = {}
+    while queue:
+        req = queue.pop(0)
+        name = normalise(req.name)
+        if name in skip:
+            continue
+        if name in taken:
+            version = taken[name][0]
+            if not req.specifier.contains(version, prereleases=True):
+                sys.exit(f"{req} conflicts with {name}=={version}, taken for an earlier need")
+            continue
+        wheel = _fetch(req, out, target, tested)
+        version = wheel.name.split("-")[1]
+        taken[name] = (version, wheel)
+        print(f"  {name}=={version}")
+        queue += _requires(wheel, env)
+    had_build = (REPO / "build").exists()
+    r = pip("wheel", "--no-deps", "-w", str(out), str(REPO))
+    if not had_build:  # setuptools' scratch folder, not the project's
+        shutil.rmtree(REPO / "build", ignore_errors=True)
+    if r.returncode:
+        sys.exit(f"building the project's wheel failed:\n{r.stderr[-2000:]}")
+    wheels = sorted(out.glob("*.whl"))
+    size = sum(w.stat().st_size for w in wheels)
+    print(f"{len(wheels)} wheels, {size / 2**20:.1f} MiB in {out} "
+          f"({len(have)} packages the target has were left out)")  # fmt: skip
+    return 0
+
+
+def install(args: argparse.Namespace) -> int:
+    wheels = sorted(str(w) for w in Path(args.wheelhouse).glob("*.whl"))
+    if not wheels:
+        sys.exit(f"no wheels in {args.wheelhouse}")
+    where = ["--target", args.target] if args.target else []
+    r = pip("install", "--no-index", "--no-deps", "--no-compile", "--upgrade", *where, *wheels,
+            quiet=False)  # fmt: skip
+    sys.stdout.write(r.stdout[-2000:])
+    sys.stderr.write(r.stderr[-4000:])
+    return r.returncode
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build a wheelhouse for another machine")
+    b.add_argument("out")
+    b.add_argument("--python-version", default="3.12")
+    b.add_argument("--arch", default="x86_64")
+    b.add_argument("--have", help="the target's `pip freeze` (or package names), left out")
+    b.add_argument("--extra", action="append", default=[], help="project extras to include")
+    b.add_argument("--exclude", action="append", default=[], help="more packages to leave out")
+    i = sub.add_parser("install", help="install a wheelhouse without network")
+    i.add_argument("wheelhouse")
+    i.add_argument("--target", help="install into this folder (then put it on PYTHONPATH)")
+    args = ap.parse_args()
+    return build(args) if args.command == "build" else install(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
