@@ -5,7 +5,7 @@ PY := .venv/bin/python
 # Prints "<step> took N s" after a step, so that CI's log splits its time by part.
 timed = start=$$(date +%s); $(1); status=$$?; echo "== $(2) took $$(( $$(date +%s) - start )) s"; exit $$status
 
-.PHONY: help setup run test test-fast test-slow lint fmt
+.PHONY: help setup run test test-fast test-slow lint fmt wheelhouse
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -29,3 +29,6 @@ test-slow: setup  ## Slow lanes: end to end on the reduced default, vLLM parity 
 	@$(call timed,$(PY) -m pytest -q -m "e2e or vllm",slow lanes)
 
 test: setup lint test-fast test-slow  ## Everything CI runs: lint, fast tests, then the slow lanes
+
+wheelhouse: setup  ## Wheels for the H200 machines, which have no network: .whl/ (scripts/wheelhouse.py)
+	$(PY) scripts/wheelhouse.py build .whl --python-version 3.12 --have scripts/targets/h200.txt
