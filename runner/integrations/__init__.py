@@ -4,7 +4,8 @@ private APIs it touches and the library version they were checked against:
 - `runner.integrations.speculators`: speculators 0.9.0 (the trainer on CPU and over gloo, stop
   at a step boundary with a resumable checkpoint, the fused-loss fix for torch 2.11, metric
   capture, a hidden-states backend that reads a subset of slots, the data-generation client's
-  log); `speculators_worker` is the module torchrun starts on each rank.
+  log); `speculators_slots` the hidden-states backend that reads a subset of slots;
+  `speculators_worker` the module torchrun starts on each rank.
 - `runner.integrations.vllm`: vLLM 0.32.0 (does a model class support EAGLE-3).
 - `runner.integrations.vllm_cpu_connector`: vLLM 0.32.0 (the hidden-states connector on CPU;
   imported by the vLLM server, never by the runner).

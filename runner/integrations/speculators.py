@@ -15,8 +15,8 @@ Private APIs touched:
   and `keys` (`fix_fused_loss_for_torch_compile`, torch 2.11 only).
 - `speculators.train.cli.setup_metric_logger` and the "speculators.metrics" logger's record
   format (`capture_metrics`: keeps the metric dicts its MLflow logger receives).
-- `hs_connectors.transfer.FileBackend` / `FileTransfer.get_cached` and the
-  `HiddenStatesBackend.registry` (`register_slot_backend`: read a subset of a file's slots).
+- through `speculators_slots` (imported by `register_slot_backend`): hs-connectors'
+  `FileBackend`, `FileTransfer.get_cached` and `HiddenStatesBackend.registry`.
 - `speculators.train.config.resolution.build_parser` and argparse's `_actions`
   (`negatable_flags`: which train flags take a `--no-` form, so that
   `train.extra_args: {norm_output: false}` can say false).
@@ -44,7 +44,8 @@ from typing import Any
 from runner.errors import ConfigError
 from runner.tracking import flatten
 
-# The hidden-states backend that reads only some slots, and the variable that says which.
+# The hidden-states backend that reads only some slots (speculators_slots.py), and the variable
+# that says which ("0,2,4").
 SLOT_BACKEND = "runner-slots"
 SLOTS_ENV = "EAGLE3_RUNNER_SLOTS"
 # speculators' data-generation client logs each sample it gives up on with this line.
@@ -292,44 +293,9 @@ def capture_metrics(path: Path | None = None) -> Iterator[MetricCapture]:
 
 
 def register_slot_backend() -> None:
-    """Register "runner-slots": a hidden-states backend that returns only the slots listed in
-    EAGLE3_RUNNER_SLOTS (e.g. "0,2,4") of each file.
-
-    A sweep over capture layers extracts once, capturing the union of the sweep's layers (plus
-    the final layer); each job trains on its own. speculators reads every slot of a file
-    (`hidden_states[:, :-1]` as the draft's input), so the selection happens in the transfer
-    object, which is pickled into DataLoader workers. Use with
-    `--hidden-states-backend runner-slots --hidden-states-path <dir>`.
-    """
-    from hs_connectors import FileTransfer, HiddenStatesBackend
-    from hs_connectors.transfer import FileBackend
-
-    if SLOT_BACKEND in HiddenStatesBackend.registry:
-        return
-
-    class SlotTransfer(FileTransfer):
-        def __init__(self, hidden_states_path: Path, slots: list[int]):
-            super().__init__(hidden_states_path)
-            self.slots = slots
-
-        def get_cached(self, file_idx: int) -> dict[str, Any] | None:
-            sample = super().get_cached(file_idx)
-            if sample is not None:
-                sample["hidden_states"] = sample["hidden_states"][:, self.slots].contiguous()
-            return sample
-
-    @HiddenStatesBackend.register(SLOT_BACKEND)
-    class SlotBackend(FileBackend):
-        @staticmethod
-        def from_train_args(args: argparse.Namespace, data_path: str) -> FileTransfer:
-            slots = [int(s) for s in os.environ[SLOTS_ENV].split(",")]
-            base = args.hidden_states_path or Path(data_path) / "hidden_states"
-            return SlotTransfer(Path(base), slots)
-
-    # Pickling needs the classes findable by name: make them attributes of this module.
-    globals().update(SlotTransfer=SlotTransfer, SlotBackend=SlotBackend)
-    SlotTransfer.__qualname__ = "SlotTransfer"
-    SlotBackend.__qualname__ = "SlotBackend"
+    """Register the "runner-slots" hidden-states backend (runner/integrations/
+    speculators_slots.py), which returns only the slots listed in EAGLE3_RUNNER_SLOTS."""
+    import runner.integrations.speculators_slots  # noqa: F401  (registers on import; imports torch)
 
 
 @functools.cache
@@ -397,10 +363,11 @@ def run_training(argv: list[str], slots: tuple[int, ...], work: Path) -> Trainin
     "global_step", "resumed_from_step"}. A stop (SIGINT, SIGTERM, SIGUSR1) returns normally with
     status "stopped" after its checkpoint is saved.
     """
-    import torch
-    from speculators.train.cli import main as speculators_train  # imports torch: seconds
+    import torch  # seconds; only a training call needs it
+    from speculators.train.cli import main as speculators_train
 
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank = int(os.environ.get("RANK", "0"))
+    rank0 = rank == 0
     config = resolve_train_config(argv, slots)
     state = TrainingState(progress_path=work / "progress.json")
     status = "finished"
@@ -410,7 +377,6 @@ def run_training(argv: list[str], slots: tuple[int, ...], work: Path) -> Trainin
         except StopRequested as stop:
             log.warning("%s", stop)
             status = "stopped"
-    rank = int(os.environ.get("RANK", "0"))
     if torch.cuda.is_available():  # each rank's peak, for the plan's estimate to be checked
         peak = {"allocated": torch.cuda.max_memory_allocated(),
                 "reserved": torch.cuda.max_memory_reserved()}  # fmt: skip
