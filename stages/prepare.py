@@ -5,6 +5,12 @@ Run alone: `python -m runner run.stages=[prepare]`.
 Writes `dataset/` (a `datasets` Arrow folder with input_ids, loss_mask, seq_len, in torch format:
 what speculators' trainer reads) and `sample.txt` (the first row with supervised text marked).
 
+The key holds the data's content (sha256 of each file, or a hub dataset's revision; see
+runner/conversations.py), so a file edited in place is prepared again. Every row not used is
+counted by reason (malformed, unknown_role, no_assistant_turn, template_mismatch, truncated:
+no assistant token left within data.max_seq_len, few_assistant_tokens) in the manifest, MLflow
+(prepare/dropped/<reason>) and the summary. The plan reads a local file before anything runs.
+
 Multi-turn conversations give one row each, with every assistant turn supervised. The mask is
 taken from render boundaries, as speculators does with vLLM's render endpoint: rendering turns
 [:j] with the generation prompt and turns [:j+1] without it brackets assistant turn j. Here the
@@ -14,12 +20,20 @@ tokenizer's own `apply_chat_template` renders, so no server is needed.
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
-from runner.assets import load_conversations
+from runner.conversations import (
+    data_fingerprint,
+    hub_problem,
+    inspect_local,
+    read_conversations,
+)
 from runner.errors import ConfigError
+from runner.preflight import Plan
 from runner.schema import RunnerConfig
-from runner.stage import Stage, StageContext
+from runner.stage import PlanView, Stage, StageContext
 from runner.target_facts import ModelFacts
 
 log = logging.getLogger("runner")
@@ -30,11 +44,17 @@ def template_kwargs(cfg: RunnerConfig) -> dict[str, Any]:
     return {**cfg.model.chat_template_kwargs, **cfg.data.chat_template_kwargs}
 
 
+def cache_dir(cfg: RunnerConfig) -> Path:
+    return Path(cfg.run.output_root).expanduser().resolve() / "cache"
+
+
 def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     d = cfg.data
     return {
         "tokenizer": facts.tokenizer_id,
         "source": d.source,
+        # What the data holds, not only where it is: an edited file gives a new key.
+        "data_content": data_fingerprint(d, cache_dir(cfg)),
         "split": d.split,
         "column": d.column,
         "num_samples": d.num_samples,
@@ -117,10 +137,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     cfg = ctx.cfg.data
     tok = load_tokenizer(ctx.cfg, ctx.facts)
-    convs = load_conversations(cfg)
+    read = read_conversations(cfg)
+    convs = read.turns
     kwargs = template_kwargs(ctx.cfg)
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    skipped = {"template_mismatch": 0, "few_assistant_tokens": 0}
+    # Rows dropped while reading (read.dropped) and here, by reason.
+    dropped = Counter({"template_mismatch": 0, "truncated": 0, "few_assistant_tokens": 0})
     truncated = multi_turn = used = 0
     bar = tqdm(total=cfg.num_samples, desc="prepare", unit="row")
     for turns in convs:
@@ -130,10 +152,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
         try:
             ids, mask = tokenize_conversation(tok, turns, cfg.max_seq_len, kwargs)
         except TemplateMismatch:
-            skipped["template_mismatch"] += 1
+            dropped["template_mismatch"] += 1
+            continue
+        if sum(mask) < cfg.min_assistant_tokens and len(ids) == cfg.max_seq_len:
+            dropped["truncated"] += 1  # data.max_seq_len cut off the assistant's answer
             continue
         if sum(mask) < cfg.min_assistant_tokens:
-            skipped["few_assistant_tokens"] += 1
+            dropped["few_assistant_tokens"] += 1
             continue
         truncated += len(ids) == cfg.max_seq_len
         multi_turn += sum(1 for t in turns if t["role"] == "assistant") > 1
@@ -145,7 +170,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     n = len(rows["input_ids"])
     if n == 0:
         raise ConfigError(
-            "data.source", f"no usable row: skipped {skipped} of {used} conversations"
+            "data.source",
+            f"no usable row: of {used} conversations tokenised, dropped {dict(dropped)} "
+            "(data.max_seq_len, data.min_assistant_tokens)",
         )
     ds = datasets.Dataset.from_dict(
         rows,
@@ -166,8 +193,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     supervised = sum(sum(m) for m in rows["loss_mask"])
     if n < cfg.num_samples:
         log.warning("prepare: only %d usable rows of data.num_samples=%d", n, cfg.num_samples)
+    all_dropped = {**{r: 0 for r in DROP_REASONS}, **read.dropped, **dropped}
+    ctx.manifest["dropped_examples"] = read.examples
+    if any(all_dropped.values()):
+        log.info("prepare: dropped %s", {k: v for k, v in all_dropped.items() if v})
     return {
         "rows": n,
+        "rows_read": read.rows_read,
         "conversations_read": used,
         "tokens": tokens,
         "assistant_tokens": supervised,
@@ -175,17 +207,67 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "mean_seq_len": tokens / n,
         "truncated_fraction": truncated / n,
         "multi_turn_fraction": multi_turn / n,
-        "skipped_template_mismatch": skipped["template_mismatch"],
-        "skipped_few_assistant_tokens": skipped["few_assistant_tokens"],
+        "dropped": all_dropped,
     }
+
+
+# Every reason a row is not used, in the order a row meets them.
+DROP_REASONS = ("malformed", "unknown_role", "no_assistant_turn", "template_mismatch",
+                "truncated", "few_assistant_tokens")  # fmt: skip
+
+
+def plan(p: Plan, view: PlanView) -> None:
+    """A local file is read as prepare will read it, before anything runs (cached per content):
+    a malformed row or an unusable file is refused here, naming the file and line."""
+    d = view.cfg.data
+    if view.actions.get("prepare") != "run":
+        return
+    if d.source.startswith(("package:",)):
+        return
+    try:
+        seen = inspect_local(d, cache_dir(view.cfg))
+    except ConfigError as exc:
+        p.error(exc.key, exc.message)
+        return
+    if seen is None:
+        problem = hub_problem(d)
+        if problem:
+            p.error("data.source", f"hub dataset {d.source!r}: {problem}")
+            return
+        if not d.revision:
+            p.warn(
+                "data.revision",
+                f"hub dataset {d.source} is not pinned: its cached prepare result is reused even "
+                "if the dataset changes upstream; set data.revision to a commit",
+            )
+        return
+    dropped = ", ".join(f"{k} {v}" for k, v in seen["dropped"].items()) or "none"
+    p.add(
+        "data",
+        f"{Path(d.source).name}: {seen['rows']} rows, {seen['usable']} usable, dropped: "
+        f"{dropped} (sha256 {seen['sha256'][:12]})",
+    )
+    if seen["usable"] < d.num_samples:
+        p.warn(
+            "data.num_samples",
+            f"{d.num_samples} asked but {d.source} has {seen['usable']} usable conversations",
+        )
+
+
+def summary(metrics: dict[str, Any], path: Path, _cfg: RunnerConfig) -> list[str]:
+    dropped = {k: v for k, v in (metrics.get("dropped") or {}).items() if v}
+    what = ", ".join(f"{k} {v}" for k, v in dropped.items()) or "none"
+    return [f"data: {metrics.get('rows')} rows of {metrics.get('rows_read')} read; dropped: {what}"]
 
 
 STAGE = Stage(
     name="prepare",
     key_config=key_config,
     run=run,
-    version="1",
+    version="2",
     libraries={"transformers": ("transformers",), "datasets": ("datasets",)},
     identities=("tokenizer_id",),
     logged={"sample.txt": "prepare"},
+    plan=plan,
+    summary=summary,
 )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runner.assets import iter_truncated_json_array, load_conversations, normalise_turns
+from runner.conversations import iter_truncated_json_array, load_conversations, normalise_turns
 from stages.prepare import tokenize_conversation
 from tests.conftest import CONVERSATIONS, compose
 
