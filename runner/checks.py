@@ -51,6 +51,38 @@ def check_aux_layers(layers: list[int] | tuple[int, ...], n: int, key: str) -> N
         )
 
 
+def target_context(config: dict) -> int | None:
+    """The longest sequence the target's config.json allows (text config of a wrapper)."""
+    text = config.get("text_config") or config
+    value = text.get("max_position_embeddings") or config.get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def _check_preset(name: str, n: int, key: str) -> None:
+    """A named preset on a target too shallow for it gives repeated or unordered ids (default
+    on 3 layers: [2, 1, 0]); say so, and from how many layers it works."""
+    ids = CAPTURE_PRESETS[name](n)
+    try:
+        check_aux_layers(ids, n, key)
+    except ConfigError:
+        works = next((k for k in range(n + 1, 200) if _valid(CAPTURE_PRESETS[name](k), k)), None)
+        raise ConfigError(
+            key,
+            f"preset {name!r} gives {ids} on this {n}-layer target: not distinct ascending ids "
+            f"in 0..{n - 1} (it needs >= {works} layers). List the ids in model.capture_layers, "
+            f"e.g. {_spread(n)}",
+        ) from None
+
+
+def _valid(ids: list[int], n: int) -> bool:
+    return ids == sorted(set(ids)) and all(0 <= i < n for i in ids)
+
+
+def _spread(n: int) -> list[int]:
+    """Up to three distinct ascending ids for a shallow target (a suggestion only)."""
+    return sorted({max(0, min(n - 1, i)) for i in (1, n // 2, n - 1)}) if n > 1 else [0]
+
+
 def check_target(cfg: RunnerConfig, target: Target) -> None:
     m, facts, layout = cfg.model, target.facts, target.layout
     reasons = target.remote_code_reasons
@@ -77,9 +109,18 @@ def check_target(cfg: RunnerConfig, target: Target) -> None:
                 f"model.{name}", f"declares {declared} but the target's config.json says {actual}"
             )
     n = facts.num_layers
+    if m.capture_layers is None:
+        _check_preset(m.capture_preset, n, "model.capture_preset")
     check_aux_layers(facts.aux_layers, n, "model.capture_layers")
     for preset in cfg.extract.superset_presets:
-        check_aux_layers(CAPTURE_PRESETS[preset](n), n, "extract.superset_presets")
+        _check_preset(preset, n, "extract.superset_presets")
+    context = m.max_context or target_context(target.config)
+    if context and cfg.data.max_seq_len > context:
+        raise ConfigError(
+            "data.max_seq_len",
+            f"{cfg.data.max_seq_len} exceeds the target's context of {context} tokens (config.json "
+            "max_position_embeddings; model.max_context overrides it)",
+        )
     if cfg.train.draft_vocab_size > facts.vocab_size:
         raise ConfigError(
             "train.draft_vocab_size",
@@ -98,8 +139,10 @@ def check_target(cfg: RunnerConfig, target: Target) -> None:
             f"TP {tp} and the target's {kv} KV heads do not divide one another",
         )
     gpu_gib = cfg.hardware.gpu_memory_gib
-    per_gpu = weight_bytes(layout, target.config)[0] / tp
-    if gpu_gib and per_gpu > WEIGHTS_MAX_GPU_SHARE * gpu_gib * GiB:
+    w = weight_bytes(layout, target.config, m.weights_gib)
+    per_gpu = w.bytes / tp
+    # An estimate marked uncertain is stated in the plan, never refused on.
+    if w.certain and gpu_gib and per_gpu > WEIGHTS_MAX_GPU_SHARE * gpu_gib * GiB:
         raise ConfigError(
             "hardware.tensor_parallel_size",
             f"~{per_gpu / GiB:.1f} GiB of weights per GPU do not fit {gpu_gib:g} GiB; "

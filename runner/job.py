@@ -31,7 +31,7 @@ from runner.checks import check_config, check_target
 from runner.pipeline import Pipeline, StageResult
 from runner.preflight import Plan, build_plan
 from runner.schema import RunnerConfig, typed
-from runner.store import ArtifactStore
+from runner.store import ArtifactStore, writable_root
 from runner.sweep import PARENT_ENV, sweep_job_tags
 from runner.target_facts import Target, resolve_target
 from runner.tracking import Tracker, tracking_uri
@@ -123,8 +123,7 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
     try:  # before the job has a run of its own: a failure is recorded for a sweep's parent
         cfg = typed(node)
         check_config(cfg)  # everything knowable from the config alone, before anything loads
-        output_root = _output_root(node)
-        output_root.mkdir(parents=True, exist_ok=True)
+        output_root = writable_root(_output_root(node))
         os.environ.update({str(k): str(v) for k, v in cfg.hardware.env.items()})
         target = resolve_target(cfg, output_root)  # config files only; no weights
         check_target(cfg, target)

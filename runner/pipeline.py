@@ -9,6 +9,8 @@ stage to run first. The pipeline knows stages only through their `Stage` objects
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import shutil
 import time
@@ -33,6 +35,8 @@ class PlannedStage:
     key: str
     action: str  # "run", "cached" or "missing"
     upstream: dict[str, str] = field(default_factory=dict)
+    # For "run": why, against the latest artifact of this stage in the store.
+    why: str = ""
 
     @property
     def name(self) -> str:
@@ -82,28 +86,54 @@ class Pipeline:
         planned = []
         for stage in self.stages[: last + 1]:
             upstream = {u: keys[u] for u in stage.upstream}
-            key = compute_key(
-                stage.name,
-                stage.version,
-                stage.key_config(self.cfg, self.facts),
-                upstream,
-                versions(dict(stage.libraries)),
-            )
+            config_slice = stage.key_config(self.cfg, self.facts)
+            libs = versions(dict(stage.libraries))
+            key = compute_key(stage.name, stage.version, config_slice, upstream, libs)
             keys[stage.name] = key
             have = self.store.get(stage.name, key) is not None
+            why = ""
             if stage.name in requested and (stage.name in force or not have):
                 action = "run"
+                why = "forced (run.force)" if have else self._why(stage, config_slice, upstream)
             elif have:
                 action = "cached"
             else:
                 action = "missing"
-            planned.append(PlannedStage(stage, key, action, upstream))
+            planned.append(PlannedStage(stage, key, action, upstream, why))
         # Only stages that something requested actually depends on need to exist.
         needed = set(requested)
         for p in reversed(planned):
             if p.name in needed:
                 needed.update(p.upstream)
         return [p for p in planned if p.name in needed]
+
+    def _why(self, stage: Stage, config_slice: Any, upstream: dict[str, str]) -> str:
+        """What differs from the latest stored artifact of this stage: its own settings (e.g.
+        data_content: the data file was edited), an upstream artifact, its code or libraries."""
+        latest = self.store.latest(stage.name)
+        if latest is None:
+            return "nothing stored yet"
+        m = latest.manifest
+        mine = json.loads(json.dumps(config_slice, default=str))
+        theirs = m.get("config", {})
+        changed = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        parts = []
+        if "data_content" in changed:
+            parts.append("data changed (its content, data_content)")
+            changed.remove("data_content")
+        if changed:
+            parts.append("settings changed: " + ", ".join(changed))
+        ups = [u for u, k in upstream.items() if m.get("inputs", {}).get(u, {}).get("key") != k]
+        if ups:
+            parts.append("new upstream " + ", ".join(ups))
+        if m.get("stage_version") != stage.version:
+            parts.append(f"stage version {m.get('stage_version')} -> {stage.version}")
+        libs = versions(dict(stage.libraries))
+        moved = [f"{n} {m.get('versions', {}).get(n)} -> {v}" for n, v in libs.items()
+                 if m.get("versions", {}).get(n) != v]  # fmt: skip
+        if moved:
+            parts.append("libraries: " + ", ".join(moved))
+        return "; ".join(parts or ["key differs"]) + f" (vs {latest.key})"
 
     @staticmethod
     def missing(planned: list[PlannedStage]) -> str | None:
@@ -140,7 +170,7 @@ class Pipeline:
                         log.info("[%s] cached: another job finished %s meanwhile", p.name, art.path)
                         status = "cached"
                     else:
-                        log.info("[%s] running (key %s)", p.name, p.key)
+                        log.info("[%s] running (key %s): %s", p.name, p.key, p.why or "new")
                         art = self._compute(p, artifacts)
                         status = "computed"
             artifacts[p.name] = art
@@ -201,6 +231,37 @@ class Pipeline:
         if not stage.resumable:
             shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True, exist_ok=True)
+        try:
+            self._compute_into(p, manifest, scratch, artifacts)
+        except BaseException:
+            self._leave_scratch(stage, scratch)
+            raise
+        shutil.rmtree(scratch, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            scratch.parent.rmdir()  # only if empty
+        art = self.store.get(p.name, p.key)
+        assert art is not None
+        return art
+
+    @staticmethod
+    def _leave_scratch(stage: Stage, scratch: Path) -> None:
+        """After a failure: a resumable stage's work folder is kept (and said so) when it holds
+        something; anything else is removed."""
+        if stage.resumable and scratch.is_dir() and any(scratch.iterdir()):
+            log.warning("[%s] work folder kept for the next run to resume: %s", stage.name, scratch)
+            return
+        shutil.rmtree(scratch, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            scratch.parent.rmdir()
+
+    def _compute_into(
+        self,
+        p: PlannedStage,
+        manifest: dict[str, Any],
+        scratch: Path,
+        artifacts: dict[str, Artifact],
+    ) -> None:
+        stage = p.stage
         with self.store.writing(p.name, p.key, manifest) as tmp:
             ctx = StageContext(
                 cfg=self.cfg,
@@ -219,7 +280,3 @@ class Pipeline:
             except Exception as exc:
                 raise StageError(f"stage '{p.name}' failed: {type(exc).__name__}: {exc}") from exc
             manifest["metrics"] = {**manifest["metrics"], **metrics}
-        shutil.rmtree(scratch, ignore_errors=True)
-        art = self.store.get(p.name, p.key)
-        assert art is not None
-        return art

@@ -13,6 +13,7 @@ teacher-logit memory, ...), weights per GPU, parallelism and the environment tha
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from runner.stage import PlanView, Stage
 from runner.store import ArtifactStore
 from runner.target_facts import Target, weight_bytes
 from runner.target_layout import MIN_VLLM, MIN_VLLM_DEFAULT
+from runner.tracking import check_store, tracking_uri
 from runner.versions import ABSENT, VLLM_DISTS, lib_version, version_tuple
 
 GiB = 1 << 30
@@ -123,14 +125,17 @@ def _hardware_lines(plan: Plan, cfg: RunnerConfig, target: Target) -> None:
         "parallelism",
         f"device {hw.device}, {hw.num_gpus} GPU(s), TP {tp}, interconnect {hw.interconnect}",
     )
-    wbytes, wkind = weight_bytes(target.layout, target.config)
-    per_gpu = wbytes / tp
-    plan.numbers.update(weight_bytes=wbytes, weight_bytes_per_gpu=per_gpu)
+    w = weight_bytes(target.layout, target.config, cfg.model.weights_gib)
+    per_gpu = w.bytes / tp
+    plan.numbers.update(weight_bytes=w.bytes, weight_bytes_per_gpu=per_gpu)
     of_gpu = f" of {hw.gpu_memory_gib:g} GiB" if hw.gpu_memory_gib else ""
     plan.add(
         "weights",
-        f"~{fmt_bytes(wbytes)} ({wkind}), ~{fmt_bytes(per_gpu)} per GPU at TP {tp}{of_gpu}",
+        f"~{fmt_bytes(w.bytes)} ({w.kind}), ~{fmt_bytes(per_gpu)} per GPU at TP {tp}{of_gpu}",
     )
+    if not w.certain:
+        plan.warn("model.weights_gib", f"weights per GPU are a guess: {w.kind}")
+        return
     # Weights that do not fit at all are refused by runner.checks; here, the tight case.
     if hw.gpu_memory_gib and per_gpu > WEIGHTS_WARN_GPU_SHARE * hw.gpu_memory_gib * GiB:
         share = per_gpu / (hw.gpu_memory_gib * GiB)
@@ -253,6 +258,9 @@ def build_plan(
     plan = Plan()
     _target_lines(plan, cfg, target)
     plan.add("stages", ", ".join(f"{p.name}:{p.action}" for p in planned))
+    for p in planned:
+        if p.why and p.why != "nothing stored yet":
+            plan.add(f"  {p.name} runs", p.why)
     if missing:
         plan.error("run.stages", missing)
     view = PlanView(
@@ -278,9 +286,48 @@ def build_plan(
     _engine_lines(plan, cfg, target, users, {f for fs in needs.values() for f in fs})
     plan.add("environment", ", ".join(f"{k}={v}" for k, v in cfg.hardware.env.items()) or "(none)")
     _launcher_lines(plan, output_root)
-    if cfg.hardware.device == "cuda" and not Path("/dev/nvidia0").exists():
-        plan.warn(
-            "hardware.device",
-            "this machine shows no NVIDIA GPU; the plan is computed, a run would fail",
-        )
+    _gpu_lines(plan, cfg, any(p.action == "run" for p in planned))
+    _tracking_lines(plan, cfg, output_root)
     return plan
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, from the device nodes and CUDA_VISIBLE_DEVICES
+    (without importing torch or initialising CUDA)."""
+    nodes = [p for p in Path("/dev").glob("nvidia[0-9]*") if p.name[6:].isdigit()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return len(nodes)
+    ids = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+    return min(len(ids), len(nodes))
+
+
+def _gpu_lines(plan: Plan, cfg: RunnerConfig, runs_stages: bool) -> None:
+    """A GPU hardware config on a machine without (enough) GPUs is refused before anything
+    loads; a stage never falls back to the CPU. A plan alone (run.plan_only) only warns: plans
+    for the GPU box are made anywhere."""
+    hw = cfg.hardware
+    if hw.device != "cuda":
+        return
+    have = visible_gpus()
+    if have >= hw.num_gpus:
+        return
+    what = "no NVIDIA GPU" if have == 0 else f"{have} visible NVIDIA GPU(s)"
+    key = "hardware" if have == 0 else "hardware.num_gpus"
+    message = (
+        f"hardware '{hw.name}' needs {hw.num_gpus} GPU(s) but this machine shows {what} "
+        "(/dev/nvidia*, CUDA_VISIBLE_DEVICES); choose hardware=cpu here"
+    )
+    if cfg.run.plan_only or not runs_stages:
+        plan.warn(key, message + " (a plan only: fine)")
+    else:
+        plan.error(key, message)
+
+
+def _tracking_lines(plan: Plan, cfg: RunnerConfig, output_root: Path) -> None:
+    """The MLflow store must answer before any stage runs, within tracking.connect_timeout_s."""
+    uri = tracking_uri(cfg.tracking.uri, output_root)
+    problem = check_store(uri, cfg.tracking.connect_timeout_s)
+    plan.add("tracking", f"{uri}" + (f" ({problem})" if problem else ""))
+    if problem:
+        plan.error("tracking.uri", f"{uri}: {problem}")

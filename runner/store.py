@@ -12,11 +12,13 @@ a manifest is never trusted, so an interrupted run leaves nothing a later run wo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,12 +28,29 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from runner.errors import ConfigError
+
 log = logging.getLogger("runner")
 
 MANIFEST = "manifest.json"
 # Above this many bytes an artifact records file sizes only: hashing terabytes of hidden
 # states would cost more than extracting them.
 HASH_LIMIT_BYTES = 8 << 30
+
+
+def writable_root(path: Path) -> Path:
+    """run.output_root, created if needed; refused naming the key if it cannot be written."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("run.output_root", f"cannot create {path}: {exc.strerror}") from None
+    try:  # os.access says yes to root everywhere; a real file says whether writes work
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError("run.output_root", f"cannot write in {path}: {exc.strerror}") from None
+    return path
 
 
 def compute_key(
@@ -94,6 +113,16 @@ class ArtifactStore:
             return Artifact(stage, key, p)
         return None
 
+    def latest(self, stage: str, limit: int = 200) -> Artifact | None:
+        """The most recently published artifact of `stage` (of the `limit` newest folders)."""
+        folder = self.root / stage
+        if not folder.is_dir():
+            return None
+        found = [p for p in folder.iterdir() if not p.name.startswith(".")]
+        found = [p for p in found if (p / MANIFEST).is_file()]
+        found.sort(key=lambda p: (p / MANIFEST).stat().st_mtime, reverse=True)
+        return Artifact(stage, found[0].name, found[0]) if found[:limit] else None
+
     def scratch(self, stage: str, key: str) -> Path:
         """A stage's working folder outside the artifact (kept for resumable stages)."""
         return self.root.parent / "scratch" / f"{stage}-{key}"
@@ -104,17 +133,31 @@ class ArtifactStore:
         artifact compute it once; the others wait here, then find it finished."""
         # Locks live apart from the artifacts: a stage folder holds artifacts only.
         folder = self.root / ".locks"
-        folder.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(folder / f"{stage}-{key}.lock"))
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            log.info("[%s] waiting for %s: another job is computing it", stage, key)
-            lock.acquire()
+        path = folder / f"{stage}-{key}.lock"
+        lock = FileLock(str(path))
+        for attempt in range(5):
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                try:
+                    lock.acquire(timeout=0)
+                except Timeout:
+                    log.info("[%s] waiting for %s: another job is computing it", stage, key)
+                    lock.acquire()
+                break
+            except FileNotFoundError:  # another job removed the empty folder meanwhile
+                if attempt == 4:
+                    raise
         try:
             yield
         finally:
+            # Removed while still held: a job waiting on this file then finds it unlinked and
+            # opens a fresh one (filelock checks), so no lock files pile up.
+            with contextlib.suppress(OSError):
+                path.unlink()
             lock.release()
+            for empty in (folder, self.root):  # only if empty
+                with contextlib.suppress(OSError):
+                    empty.rmdir()
 
     @contextmanager
     def writing(self, stage: str, key: str, manifest: dict[str, Any]) -> Iterator[Path]:
@@ -124,10 +167,9 @@ class ArtifactStore:
         files, sizes, hashes and timings are added here.
         """
         final = self.path(stage, key)
-        final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".tmp-{key}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp.mkdir(parents=True)
         started = time.time()
         try:
             yield tmp
@@ -151,3 +193,6 @@ class ArtifactStore:
                 os.replace(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            for empty in (final.parent, self.root):  # a failed first artifact leaves no folder
+                with contextlib.suppress(OSError):
+                    empty.rmdir()

@@ -32,8 +32,10 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from runner.errors import ConfigError
 from runner.stage import registry
-from runner.tracking import Tracker, tracking_uri
+from runner.store import writable_root
+from runner.tracking import Tracker, check_store, tracking_uri
 
 log = logging.getLogger("runner")
 # The sweep's parent run id, exported for the jobs (the joblib launcher's too).
@@ -48,17 +50,35 @@ def sweep_job_tags() -> dict[str, str]:
     return {"sweep.job": str(hc.job.num), "sweep.overrides": shlex.join(hc.overrides.task)}
 
 
+def _root_or_exit(config: DictConfig) -> Path:
+    """run.output_root, writable; else the config error, before Hydra makes its folders there
+    (it would fail with a traceback)."""
+    try:
+        return writable_root(Path(config.run.output_root).expanduser().resolve())
+    except ConfigError as exc:
+        print(f"config error: {exc.key}: {exc.message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _tracking(config: DictConfig) -> tuple[str, str]:
-    root = Path(config.run.output_root).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
+    root = _root_or_exit(config)
     return tracking_uri(config.tracking.uri, root), str(root)
 
 
 class SweepCallback(Callback):
+    """The runner's Hydra callback: the sweep's parent run, and a writable output root first."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _root_or_exit(config)
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         import mlflow  # seconds to import; a plain run never needs it here
 
         uri, root = _tracking(config)
+        problem = check_store(uri, float(config.tracking.connect_timeout_s))
+        if problem:  # before MLflow's own client retries for minutes
+            print(f"config error: tracking.uri: {uri}: {problem}", file=sys.stderr)
+            sys.exit(2)
         tracker = Tracker(config.tracking, Path(root))  # creates the experiment if needed
         client = mlflow.MlflowClient(uri)
         overrides = list(config.hydra.overrides.task)

@@ -136,23 +136,34 @@ def _sha(*parts: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def read_target_config(model_cfg: ModelConfig, src: ModelSource) -> tuple[dict[str, Any], str, str]:
+def read_target_config(
+    model_cfg: ModelConfig, src: ModelSource, cache_dir: Path | None = None
+) -> tuple[dict[str, Any], str, str]:
     """(config.json contents, tokenizer id, weights id), from configuration only: a local
-    config.json, a packaged GGUF's metadata, or a hub config.json (from the local HF cache when
-    offline). No weights load, nothing is converted."""
+    config.json, a packaged GGUF's metadata (read once, then remembered under `cache_dir`: the
+    GGUF reader takes seconds), or a hub config.json (from the local HF cache when offline). No
+    weights load, nothing is converted."""
     template = model_cfg.chat_template or ""
     if src.kind == "package":
         assert src.gguf is not None
+        ident = _sha(
+            model_cfg.source[len(PACKAGE_PREFIX) :], src.gguf.name, src.gguf.stat().st_size
+        )
         converted = Path(src.load_path) / "config.json"
+        remembered = cache_dir / "gguf_configs" / f"{ident}.json" if cache_dir else None
         if converted.is_file():
             config = json.loads(converted.read_text())
+        elif remembered is not None and remembered.is_file():
+            config = json.loads(remembered.read_text())
         else:
             from transformers import AutoConfig  # slow import, needed only before conversion
 
             config = AutoConfig.from_pretrained(src.gguf.parent, gguf_file=src.gguf.name).to_dict()
-        ident = _sha(
-            model_cfg.source[len(PACKAGE_PREFIX) :], src.gguf.name, src.gguf.stat().st_size
-        )
+            if remembered is not None:
+                remembered.parent.mkdir(parents=True, exist_ok=True)
+                tmp = remembered.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(config, default=str))
+                os.replace(tmp, remembered)
         return config, _sha(ident, template), ident
     if src.kind == "local":
         path = Path(src.load_path)
@@ -244,7 +255,7 @@ def aux_layers(cfg: RunnerConfig, n: int) -> tuple[tuple[int, ...], tuple[int, .
 def resolve_target(cfg: RunnerConfig, output_root: Path) -> Target:
     """Facts, layout and raw config of the target, from configuration files only."""
     src = model_source(cfg.model, output_root)
-    config, tok_id, weights_id = read_target_config(cfg.model, src)
+    config, tok_id, weights_id = read_target_config(cfg.model, src, output_root / "cache")
     layout = cached_layout(config, dict(cfg.model.layout), output_root)
     mine, union = aux_layers(cfg, layout.num_layers)
     facts = ModelFacts(
@@ -260,9 +271,25 @@ def resolve_target(cfg: RunnerConfig, output_root: Path) -> Target:
     return Target(facts, layout, config, remote_code_reasons(config, src.load_path))
 
 
-def weight_bytes(layout: TargetLayout, config: dict[str, Any]) -> tuple[float, str]:
-    """Estimated checkpoint bytes of the text model: bf16, except routed experts when the config
-    declares an integer quantization of them (as Kimi-K2.5's compressed-tensors INT4, group 32)."""
+@dataclass(frozen=True)
+class WeightEstimate:
+    bytes: float
+    # How it was reached, for the plan line ("bf16", "routed experts int4, rest bf16", ...).
+    kind: str
+    # False when config.json did not say enough (a quantization the runner cannot size): the plan
+    # states the assumption and the key that overrides it, and refuses nothing on it.
+    certain: bool = True
+
+
+def weight_bytes(
+    layout: TargetLayout, config: dict[str, Any], stated_gib: float | None = None
+) -> WeightEstimate:
+    """Checkpoint bytes of the text model: `model.weights_gib` when stated; else bf16, except
+    routed experts when the config declares an integer quantization of them (as Kimi-K2.5's
+    compressed-tensors INT4, group 32). A quantization config the runner cannot size is costed
+    as bf16 and marked uncertain."""
+    if stated_gib is not None:
+        return WeightEstimate(stated_gib * 2**30, "stated by model.weights_gib")
     text = config.get("text_config") or config
     q = config.get("quantization_config") or text.get("quantization_config") or {}
     bits, group = None, None
@@ -281,5 +308,14 @@ def weight_bytes(layout: TargetLayout, config: dict[str, Any]) -> tuple[float, s
         )
         per_param = bits / 8 + (2 / group if group else 0)  # packed ints + a bf16 scale per group
         estimate = expert_params * per_param + (total - expert_params) * 2
-        return estimate, f"routed experts int{bits}, rest bf16"
-    return total * 2.0, "bf16"
+        return WeightEstimate(estimate, f"routed experts int{bits}, rest bf16")
+    if q:
+        method = q.get("quant_method") or q.get("format") or "unknown"
+        what = "/".join(str(x) for x in (q.get("quant_method"), q.get("format")) if x) or method
+        return WeightEstimate(
+            total * 2.0,
+            f"ASSUMED bf16: quantization_config ({what}) names no sizes the runner reads; "
+            "state the size with model.weights_gib",
+            certain=False,
+        )
+    return WeightEstimate(total * 2.0, "bf16")

@@ -52,6 +52,37 @@ def tracking_uri(configured: str | None, output_root: Path) -> str:
     return f"sqlite:///{(output_root / 'mlflow.db').resolve()}"
 
 
+def check_store(uri: str, timeout_s: float) -> str | None:
+    """Why the MLflow store at `uri` cannot be used, or None. An HTTP server must answer its
+    /health endpoint within `timeout_s` (MLflow's own client retries for minutes); a SQLite or
+    file store's folder must be writable. Other schemes are not checked."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme in ("http", "https"):
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403):
+                return f"the server refused the credentials (HTTP {exc.code})"
+            return f"no MLflow server there: HTTP {exc.code} on /health"
+        except (OSError, ValueError) as exc:  # refused, unresolvable, timed out
+            reason = getattr(exc, "reason", exc)
+            return f"unreachable within {timeout_s:g} s (tracking.connect_timeout_s): {reason}"
+        return None
+    if parsed.scheme in ("sqlite", "file", ""):
+        # sqlite:////abs/mlflow.db -> /abs/mlflow.db; sqlite:///rel.db -> rel.db (relative)
+        sqlite = parsed.scheme == "sqlite"
+        folder = Path(uri[len("sqlite:///") :]).parent if sqlite else Path(parsed.path)
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return f"{folder} is not writable by this user"
+    return None
+
+
 class Tracker:
     def __init__(self, tracking_cfg: TrackingConfig, output_root: Path):
         import mlflow  # seconds to import; only runs that track need it

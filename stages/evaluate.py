@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from runner.assets import load_prompts
+from runner.checks import target_context
 from runner.errors import StageError
 from runner.integrations.speculators import resolve_train_config
+from runner.preflight import Plan
 from runner.schema import RunnerConfig
-from runner.stage import Stage, StageContext
+from runner.stage import PlanView, Stage, StageContext
 from runner.target_facts import ModelFacts
 from runner.versions import VLLM_DISTS
 from runner.vllm_server import VllmServer, counters_delta, engine_args, quiet_http_logs
@@ -299,6 +301,19 @@ def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
     }
 
 
+def plan(p: Plan, view: PlanView) -> None:
+    cfg = view.cfg
+    if view.actions.get("evaluate") != "run":
+        return
+    context = cfg.model.max_context or target_context(view.target.config)
+    if context and cfg.eval.max_model_len > context:
+        p.error(
+            "eval.max_model_len",
+            f"{cfg.eval.max_model_len} exceeds the target's context of {context} tokens "
+            "(vLLM would refuse it after loading; model.max_context overrides the context)",
+        )
+
+
 STAGE = Stage(
     name="evaluate",
     key_config=key_config,
@@ -312,4 +327,5 @@ STAGE = Stage(
     columns=columns,
     vllm_features=lambda cfg: ("eagle3",),
     objective="acceptance_length",
+    plan=plan,
 )

@@ -36,6 +36,7 @@ from runner.integrations.speculators import (
     SLOT_BACKEND,
     STOP_SIGNALS,
     chain_requeue,
+    check_train_flags,
     negatable_flags,
     run_training,
 )
@@ -81,6 +82,31 @@ def extra_flags(extra_args: Mapping[str, Any]) -> list[str]:
         else:
             argv += [flag, str(v)]
     return argv
+
+
+# The runner key each speculators flag comes from, so that speculators' own refusal of a value
+# (checked in the plan) names the key to change; `train.extra_args` flags are added per run.
+FLAG_KEYS = {
+    "--draft-vocab-size": "train.draft_vocab_size", "--target-layer-ids": "model.capture_layers",
+    "--num-layers": "train.num_layers", "--ttt-steps": "train.ttt_steps",
+    "--epochs": "train.epochs", "--lr": "train.lr", "--optimizer": "train.optimizer",
+    "--scheduler-type": "train.scheduler", "--scheduler-warmup-ratio": "train.warmup_ratio",
+    "--total-seq-len": "train.total_seq_len", "--train-data-ratio": "train.val_ratio",
+    "--loss-fn": "train.loss_fn", "--loss-implementation": "train.loss_implementation",
+    "--draft-attn-impl": "train.draft_attn_impl", "--num-workers": "train.num_workers",
+    "--log-freq": "train.log_freq", "--seed": "train.seed",
+    "--hidden-states-dtype": "hardware.dtype", "--checkpoint-freq": "train.checkpoint_every",
+    "--fsdp-shard": "train.fsdp", "--max-steps": "train.max_steps",
+    "--trust-remote-code": "model.trust_remote_code",
+}  # fmt: skip
+
+
+def flag_keys(cfg: RunnerConfig) -> dict[str, str]:
+    extra = {}
+    for k in cfg.train.extra_args:
+        flag = "--" + str(k).replace("_", "-")
+        extra[flag] = extra[f"--no-{flag[2:]}"] = f"train.extra_args.{k}"
+    return {**FLAG_KEYS, **extra}
 
 
 def speculators_argv(
@@ -201,7 +227,11 @@ def _torchrun(ctx: StageContext, argv: list[str], ranks: int) -> dict[str, Any]:
     work, t = ctx.scratch, ctx.cfg.train
     request = work / "request.json"
     slots = list(ctx.facts.train_slots)
-    request.write_text(json.dumps({"argv": argv, "slots": slots, "work": str(work)}))
+    request.write_text(
+        json.dumps(
+            {"argv": argv, "slots": slots, "work": str(work), "device": ctx.cfg.hardware.device}
+        )
+    )
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={ranks}", "-m", "runner.integrations.speculators_worker", str(request),
@@ -284,7 +314,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         log.info("[train] resuming from %s (an earlier run reached step %d)", save_path,
                  reached_before)  # fmt: skip
     if ranks == 1:
-        state = run_training(argv, ctx.facts.train_slots, work)
+        state = run_training(argv, ctx.facts.train_slots, work, device=ctx.cfg.hardware.device)
         outcome = _read_json(work / "outcome.json", {})
         chain_requeue(state)
     else:
@@ -400,8 +430,21 @@ def memory_estimate(cfg: RunnerConfig, view: PlanView) -> dict[str, float]:
     return parts
 
 
+def _check_with_speculators(p: Plan, view: PlanView) -> None:
+    """The flags this run will pass, resolved by the installed speculators' own TrainConfig
+    (paths are placeholders: only values are checked), before any stage runs."""
+    where = Path("/nonexistent/plan")
+    argv = speculators_argv(view.cfg, view.target.facts, where / "data", where / "hs",
+                            where / "vocab", where / "save")  # fmt: skip
+    refused = check_train_flags(argv, flag_keys(view.cfg), view.output_root / "cache")
+    if refused:
+        p.error(*refused)
+
+
 def plan(p: Plan, view: PlanView) -> None:
     cfg, layout = view.cfg, view.target.layout
+    if view.actions.get("train") == "run":
+        _check_with_speculators(p, view)
     t, h, vd = cfg.train, layout.hidden_size, cfg.train.draft_vocab_size
     params = draft_params(cfg, view)
     aux = len(view.target.facts.aux_layers)

@@ -58,7 +58,7 @@ def make_tiny_llama(out: Path, tokenizer, num_layers: int = 4) -> Path:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )  # fmt: skip
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)

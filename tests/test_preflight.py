@@ -114,7 +114,8 @@ def test_an_old_vllm_is_refused_for_kimi(tmp_path, monkeypatch):
 
 
 def test_default_speculators_layers_collide_on_a_four_layer_model(tmp_path, tiny_model_dir):
-    # [2, n//2, n-3] = [2, 2, 1] for n = 4: vLLM would crash on the duplicate; caught here.
+    # [2, n//2, n-3] = [2, 2, 1] for n = 4: vLLM would crash on the duplicate; caught here,
+    # naming the preset, from how many layers it works, and the key that lists ids instead.
     with pytest.raises(ConfigError) as info:
         run_job(
             compose(
@@ -128,7 +129,9 @@ def test_default_speculators_layers_collide_on_a_four_layer_model(tmp_path, tiny
                 ]
             )
         )
-    assert info.value.key == "model.capture_layers"
+    assert info.value.key == "model.capture_preset"
+    assert "[2, 2, 1]" in info.value.message and ">= 7 layers" in info.value.message
+    assert "model.capture_layers" in info.value.message
 
 
 def test_a_target_class_without_eagle3_support_in_vllm_is_refused(tmp_path, smollm2_tokenizer):
@@ -223,13 +226,22 @@ def test_weights_estimate_counts_int4_experts_and_bf16_rest():
         source="model",
     )  # fmt: skip
     plain = {"num_hidden_layers": 4}
-    assert weight_bytes(layout, plain) == (20_000.0, "bf16")
+    w = weight_bytes(layout, plain)
+    assert (w.bytes, w.kind, w.certain) == (20_000.0, "bf16", True)
     quant = {"first_k_dense_replace": 1, "moe_intermediate_size": 2, "quantization_config": {
         "config_groups": {"g": {"weights": {"num_bits": 4, "group_size": 32}}}}}  # fmt: skip
     experts = 3 * 4 * 3 * 8 * 2  # MoE layers x experts x (gate, up, down) x hidden x inter
-    estimate, kind = weight_bytes(layout, quant)
-    assert kind == "routed experts int4, rest bf16"
-    assert estimate == experts * (0.5 + 2 / 32) + (10_000 - experts) * 2
+    w = weight_bytes(layout, quant)
+    assert w.kind == "routed experts int4, rest bf16" and w.certain
+    assert w.bytes == experts * (0.5 + 2 / 32) + (10_000 - experts) * 2
+    # A quantization it cannot size: bf16 assumed, said so, and marked uncertain...
+    packed = {"quantization_config": {"quant_method": "compressed-tensors",
+                                       "format": "pack-quantized"}}  # fmt: skip
+    w = weight_bytes(layout, packed)
+    assert not w.certain and "ASSUMED bf16" in w.kind and "model.weights_gib" in w.kind
+    # ... until the size is stated.
+    w = weight_bytes(layout, packed, stated_gib=1.5)
+    assert w.certain and w.bytes == 1.5 * 2**30
 
 
 def test_the_filesystem_of_the_output_root_is_read_from_the_mounts(tmp_path):

@@ -27,7 +27,10 @@ Private APIs touched:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import hashlib
+import io
 import json
 import logging
 import os
@@ -43,6 +46,7 @@ from typing import Any
 
 from runner.errors import ConfigError
 from runner.tracking import flatten
+from runner.versions import lib_version
 
 # The hidden-states backend that reads only some slots (speculators_slots.py), and the variable
 # that says which ("0,2,4").
@@ -112,7 +116,7 @@ def chain_requeue(state: TrainingState) -> None:
 
 
 @contextmanager
-def runner_training(state: TrainingState) -> Iterator[None]:
+def runner_training(state: TrainingState, device: str | None = None) -> Iterator[None]:
     """Run speculators' trainer the way the runner needs, for one `cli.main` call:
 
     - on a machine without an accelerator: the trainer moves the model and batches to
@@ -130,7 +134,14 @@ def runner_training(state: TrainingState) -> Iterator[None]:
     import torch
     import torch.distributed as dist
 
-    on_cpu = not torch.accelerator.is_available()
+    has_gpu = torch.accelerator.is_available()
+    if device == "cuda" and not has_gpu:  # never train on another device than configured
+        raise ConfigError(
+            "hardware", "hardware.device is cuda but torch sees no GPU here; choose hardware=cpu"
+        )
+    # The configured device decides (a CPU config on a GPU machine trains on the CPU, as keyed);
+    # None (benchmarks) = whatever this machine has.
+    on_cpu = device == "cpu" if device is not None else not has_gpu
     base_trainer = trainer_mod.Trainer
     base_timer = trainer_mod._StepTimer
     base_setup_distributed = cli.maybe_setup_distributed
@@ -337,7 +348,56 @@ def recording_skips() -> Iterator[SkipRecorder]:
         logger.removeHandler(rec)
 
 
-def resolve_train_config(argv: list[str], slots: tuple[int, ...]) -> Any:
+def _flag_of(error: str) -> str | None:
+    """The flag an argparse / pydantic message from speculators' `TrainConfig.resolve` is about:
+    "argument --optimizer: invalid choice", "unrecognized arguments: --foo 1", or
+    "invalid configuration: trainer.checkpoint_freq: ..." (field -> --checkpoint-freq)."""
+    for pattern in (r"argument (--[\w-]+)", r"unrecognized arguments: (--[\w-]+)"):
+        m = re.search(pattern, error)
+        if m:
+            return m.group(1)
+    m = re.search(r"invalid configuration:\s+(?:\w+\.)*(\w+):", error)
+    return "--" + m.group(1).replace("_", "-") if m else None
+
+
+def check_train_flags(
+    argv: list[str], keys: dict[str, str], cache_dir: Path
+) -> tuple[str, str] | None:
+    """(runner key, message) when speculators' own `TrainConfig.resolve` refuses `argv` (its
+    choices, ranges and loss names apply), else None. `keys` maps each flag to the runner key it
+    comes from. Importing speculators takes seconds, so the answer is remembered per argv and
+    speculators version under `cache_dir`."""
+    version = lib_version("speculators")
+    digest = hashlib.sha256(json.dumps([argv, version]).encode()).hexdigest()[:16]
+    cached = cache_dir / "train_flags" / f"{digest}.json"
+    if cached.is_file():
+        answer = json.loads(cached.read_text())
+        return tuple(answer) if answer else None  # type: ignore[return-value]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            resolve_train_config(argv, slots=(), quiet=True)
+        answer = None
+    except _Refused:
+        text = err.getvalue().strip().splitlines()
+        # argparse prints the usage, then "<prog>: error: <message>" (and more lines for pydantic)
+        start = next((i for i, line in enumerate(text) if ": error: " in line), len(text) - 1)
+        message = " ".join(line.strip() for line in text[start:]).split(": error: ", 1)[-1]
+        flag = _flag_of(message)
+        key = keys.get(flag or "", "train.extra_args")
+        answer = (key, f"speculators {version} refuses it: {message}")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(answer))
+    os.replace(tmp, cached)
+    return answer
+
+
+class _Refused(Exception):
+    """speculators' argument parser exited on the flags (its message went to stderr)."""
+
+
+def resolve_train_config(argv: list[str], slots: tuple[int, ...], quiet: bool = False) -> Any:
     """speculators' TrainConfig for `argv` (registering the slot backend when it is named);
     a flag speculators refuses is the config's fault."""
     from speculators.train.config import TrainConfig  # speculators imports torch: seconds
@@ -348,6 +408,8 @@ def resolve_train_config(argv: list[str], slots: tuple[int, ...]) -> Any:
     try:
         return TrainConfig.resolve(argv)
     except SystemExit as exc:  # speculators parses flags with argparse, which exits on a bad one
+        if quiet:
+            raise _Refused() from None
         raise ConfigError(
             "train.extra_args",
             f"speculators rejected its arguments (exit {exc.code}); see the message above. "
@@ -355,7 +417,9 @@ def resolve_train_config(argv: list[str], slots: tuple[int, ...]) -> Any:
         ) from None
 
 
-def run_training(argv: list[str], slots: tuple[int, ...], work: Path) -> TrainingState:
+def run_training(
+    argv: list[str], slots: tuple[int, ...], work: Path, device: str | None = None
+) -> TrainingState:
     """One call of speculators' trainer in this process (the only rank, or one of torchrun's).
 
     Rank 0 appends its metric records to work/metrics.jsonl (across resumed attempts) and writes
@@ -371,7 +435,7 @@ def run_training(argv: list[str], slots: tuple[int, ...], work: Path) -> Trainin
     config = resolve_train_config(argv, slots)
     state = TrainingState(progress_path=work / "progress.json")
     status = "finished"
-    with capture_metrics(work / "metrics.jsonl" if rank0 else None), runner_training(state):
+    with capture_metrics(work / "metrics.jsonl" if rank0 else None), runner_training(state, device):
         try:
             speculators_train(config)
         except StopRequested as stop:

@@ -21,7 +21,12 @@ from runner.integrations.speculators import run_training
 def main(request_file: str) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     request = json.loads(Path(request_file).read_text())
-    run_training(list(request["argv"]), tuple(request["slots"]), Path(request["work"]))
+    run_training(
+        list(request["argv"]),
+        tuple(request["slots"]),
+        Path(request["work"]),
+        device=request.get("device"),
+    )
     return 0
 
 

@@ -1,0 +1,173 @@
+"""Try the runner with wrong settings and damaged data files, as a new user would, and print a
+table: the case, the exit status, the seconds until the refusal, and the key the message names.
+
+Usage: python -m benchmarks.bad_inputs [--root DIR] [--markdown]
+Every case is a real `python -m runner ...` command line (a subprocess, on the embedded default
+model unless the case says otherwise), refused before any weight loads; a case that is not
+refused within --timeout seconds is reported as NOT REFUSED. The first command is a warm-up plan
+(it fills the root's caches), whose time is printed too, next to a second, warm plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GOOD = json.dumps(
+    {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+)
+
+
+def data_files(folder: Path) -> dict[str, Path]:
+    """Damaged data files, each with one kind of damage."""
+    files: dict[str, bytes] = {
+        "empty.jsonl": b"",
+        "blank_lines.jsonl": b"\n \n\t\n",
+        "bad_json_line3.jsonl": f"{GOOD}\n{GOOD}\n{{'messages': []}}\n{GOOD}\n".encode(),
+        "latin1_line2.jsonl": f"{GOOD}\n".encode() + '{"messages": "caf\xe9"}\n'.encode("latin-1"),
+        "conversation_is_text.jsonl": f'{GOOD}\n{{"messages": "hello"}}\n'.encode(),
+        "row_is_array.jsonl": f"{GOOD}\n[1, 2]\n".encode(),
+        "turn_without_role.jsonl": f'{GOOD}\n{{"messages": [{{"content": "x"}}]}}\n'.encode(),
+        "content_is_number.jsonl": (
+            f'{GOOD}\n{{"messages": [{{"role": "user", "content": 5}}]}}\n'.encode()
+        ),
+        "cut_short.json": b'[{"messages": []}, {"messa',
+        "object.json": b'{"a": 1, "b": 2}',
+        "table.csv": b"question,answer\nhi,hello\n",
+        "no_assistant.jsonl": b'{"messages": [{"role": "user", "content": "hi"}]}\n' * 3,
+        "unknown_roles.jsonl": b'{"messages": [{"role": "narrator", "content": "x"}]}\n' * 3,
+        "other_column.jsonl": b'{"dialog": [{"role": "user", "content": "hi"}]}\n',
+        "binary.jsonl": bytes(range(256)) * 4,
+        "fake.parquet": b"this is not parquet\n",
+        "truncated_line.jsonl": f"{GOOD}\n{GOOD[:25]}".encode(),
+        "good.jsonl": f"{GOOD}\n".encode() * 20,
+    }
+    out = {}
+    for name, content in files.items():
+        (folder / name).write_bytes(content)
+        out[name] = folder / name
+    (folder / "a_folder.jsonl").mkdir(exist_ok=True)
+    out["a_folder.jsonl"] = folder / "a_folder.jsonl"
+    return out
+
+
+def cases(files: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    def local(name: str, *more: str) -> list[str]:
+        return ["data=local_file", f"data.source={files[name]}", *more]
+
+    plan = ["run.plan_only=true"]
+    return [
+        # Closed choices and types, refused while Hydra composes
+        ("unknown optimizer", [*plan, "train.optimizer=sgd"]),
+        ("unknown scheduler", [*plan, "train.scheduler=step"]),
+        ("unknown dtype", [*plan, "hardware.dtype=int8"]),
+        ("unknown device", [*plan, "hardware.device=tpu"]),
+        ("unknown extraction backend", [*plan, "extract.backend=sglang"]),
+        ("unknown on_bad_row", [*plan, "data.on_bad_row=ignore"]),
+        ("epochs not a number", [*plan, "train.epochs=abc"]),
+        ("unknown model option", [*plan, "model=nope"]),
+        ("unknown key", [*plan, "+train.foo=1"]),
+        # Ranges, from the config alone
+        ("epochs 0", [*plan, "train.epochs=0"]),
+        ("lr 0", [*plan, "train.lr=0"]),
+        ("warmup ratio 1.5", [*plan, "train.warmup_ratio=1.5"]),
+        ("val ratio 1", [*plan, "train.val_ratio=1"]),
+        ("zero new tokens", [*plan, "eval.max_new_tokens=0"]),
+        ("eval context below new tokens", [*plan, "eval.max_model_len=64"]),
+        ("negative threads", [*plan, "hardware.cpu_threads=-1"]),
+        ("TP 2 on CPU", [*plan, "hardware.tensor_parallel_size=2"]),
+        ("GPUs on a cpu device", [*plan, "hardware.num_gpus=2"]),
+        ("zero samples", [*plan, "data.num_samples=0"]),
+        ("8-token rows", [*plan, "data.max_seq_len=8"]),
+        ("pack shorter than a row", [*plan, "train.total_seq_len=128"]),
+        ("checkpoint every 1.5 epochs", [*plan, "train.checkpoint_every=1.5"]),
+        ("tracking timeout 0", [*plan, "tracking.connect_timeout_s=0"]),
+        ("negative weights size", [*plan, "model.weights_gib=-1"]),
+        ("train GPUs on a CPU box", [*plan, "train.num_gpus=1"]),
+        # Against the target's config files and this machine
+        ("model=hf without a source", [*plan, "model=hf"]),
+        ("local model folder missing", [*plan, "model=hf", "model.name=x", "model.source=/nope"]),
+        ("rows above the context", [*plan, "data.max_seq_len=100000"]),
+        ("eval context above the target's", [*plan, "eval.max_model_len=16384"]),
+        ("final layer listed", [*plan, "model.capture_layers=[2,15,30]"]),
+        ("layers out of order", [*plan, "model.capture_layers=[15,2,27]"]),
+        ("draft vocab above target vocab", [*plan, "train.draft_vocab_size=60000"]),
+        ("unknown loss", [*plan, "train.loss_fn=bogus"]),
+        ("unknown speculators flag", [*plan, "+train.extra_args.foo_bar=1"]),
+        ("speculators flag of wrong type", [*plan, "+train.extra_args.weight_decay=abc"]),
+        ("speculators range", [*plan, "+train.extra_args.checkpoint_freq=-1"]),
+        ("tracking server down", [*plan, "tracking.uri=http://127.0.0.1:9"]),
+        ("not an MLflow server", [*plan, "tracking.uri=http://10.255.255.1:5000"]),
+        ("output root unwritable", [*plan, "run.output_root=/proc/nope"]),
+        ("GPU hardware on this CPU box (a run)", ["hardware=gpu1"]),
+        ("train alone on an empty store", [*plan, "run.stages=[train]"]),
+        ("hub dataset offline, not cached", [*plan, "data=hub", "data.source=someone/chats"]),
+        # Data files
+        ("data file missing", [*plan, "data=local_file", "data.source=/nope/chats.jsonl"]),
+        *[(f"data: {name}", [*plan, *local(name)]) for name in files if name != "good.jsonl"],
+        ("data: wrong column", [*plan, *local("good.jsonl", "data.column=dialog")]),
+    ]
+
+
+def key_named(stderr: str) -> str:
+    for pattern in (r"config error: ([\w.]+):", r"full_key: ([\w.]+)", r"Could not \w+ '(\w+)"):
+        m = re.search(pattern, stderr)
+        if m:
+            return m.group(1)
+    return "-"
+
+
+def message(stderr: str) -> str:
+    for line in stderr.splitlines():
+        if line.startswith("config error:"):
+            return line[len("config error: ") :]
+    lines = [x for x in stderr.splitlines() if x.strip() and "HYDRA_FULL_ERROR" not in x]
+    return lines[0] if lines else ""
+
+
+def run(args: list[str], root: Path, timeout: float) -> tuple[int | str, float, str]:
+    cmd = [sys.executable, "-m", "runner", *args]
+    if not any(a.startswith("run.output_root=") for a in args):
+        cmd.append(f"run.output_root={root}")
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "NOT REFUSED", time.time() - t0, ""
+    return p.returncode, time.time() - t0, p.stderr
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", type=Path, default=None, help="output root (default: a temp dir)")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    args = ap.parse_args()
+    root = args.root or Path(tempfile.mkdtemp(prefix="bad-inputs-"))
+    folder = Path(tempfile.mkdtemp(prefix="bad-data-"))
+    for label in ("cold plan", "warm plan"):
+        code, seconds, _ = run(["run.plan_only=true"], root, args.timeout)
+        print(f"{label}: exit {code} in {seconds:.2f} s")
+    rows = []
+    for i, (label, overrides) in enumerate(cases(data_files(folder)), start=1):
+        code, seconds, stderr = run(overrides, root, args.timeout)
+        rows.append((i, label, code, seconds, key_named(stderr), message(stderr)))
+    print("\n| # | case | exit | s to refusal | key named | message |")
+    print("|---|---|---|---|---|---|")
+    for i, label, code, seconds, key, msg in rows:
+        short = msg.replace("|", "/")[:110]
+        print(f"| {i} | {label} | {code} | {seconds:.2f} | `{key}` | {short} |")
+    refused = sum(1 for r in rows if r[2] == 2 and r[4] != "-")
+    print(f"\n{refused} of {len(rows)} refused with exit 2 and a key named; "
+          f"slowest {max(r[3] for r in rows):.2f} s")  # fmt: skip
+    return 0 if refused == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

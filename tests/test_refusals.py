@@ -1,0 +1,252 @@
+"""Bad input is refused before work starts, naming the key (and the file and line), and a changed
+input is never served from a stale result. The examples a new user hit, one test each."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.errors import ConfigError
+from runner.job import run_job
+from tests.conftest import CONVERSATIONS, REPO, compose, tiny_overrides
+
+KIMI = str(Path(__file__).parent / "data" / "kimi_k25")
+
+
+def tiny(model_dir: Path, data: Path, root: Path, *extra: str, **kw) -> list[str]:
+    return tiny_overrides(model_dir, data, root, "model.capture_layers=[1,2,3]", *extra, **kw)
+
+
+def _chats(path: Path, n: int, tag: str = "") -> Path:
+    with open(path, "w") as fh:
+        for i in range(n):
+            conv = [dict(t, content=f"{t['content']} ({tag}{i})") for t in CONVERSATIONS[i % 3]]
+            fh.write(json.dumps({"messages": conv}) + "\n")
+    return path
+
+
+def _plan(model_dir: Path, data: Path, root: Path, *extra: str):
+    return run_job(compose(tiny(model_dir, data, root, "run.plan_only=true", *extra)))
+
+
+def _refusal(model_dir: Path, data: Path, root: Path, *extra: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        _plan(model_dir, data, root, *extra)
+    return info.value
+
+
+def test_a_data_file_edited_in_place_is_prepared_again(tmp_path, tiny_model_dir):
+    data = _chats(tmp_path / "chats.jsonl", 12)
+    stages = "run.stages=[prepare]"
+    first = run_job(compose(tiny(tiny_model_dir, data, tmp_path, stages, samples=100)))
+    assert first.results["prepare"].metrics["rows"] == 12
+    _chats(data, 30, tag="new ")  # the same path, other rows
+    planned = _plan(tiny_model_dir, data, tmp_path, stages, "data.num_samples=100")
+    assert planned.plan.numbers is not None
+    assert "prepare:run" in planned.plan.render()
+    assert "data changed" in planned.plan.render()
+    second = run_job(compose(tiny(tiny_model_dir, data, tmp_path, stages, samples=100)))
+    assert second.stages == {"prepare": "computed"}
+    assert second.results["prepare"].metrics["rows"] == 30
+    # Unchanged content: cached again, and the file is not hashed anew (size and mtime match).
+    again = run_job(compose(tiny(tiny_model_dir, data, tmp_path, stages, samples=100)))
+    assert again.stages == {"prepare": "cached"}
+
+
+def _write(path: Path, content: bytes) -> Path:
+    path.write_bytes(content)
+    return path
+
+
+GOOD = json.dumps({"messages": CONVERSATIONS[0]}).encode() + b"\n"
+
+
+@pytest.mark.parametrize(
+    "name,content,key,says",
+    [
+        ("empty.jsonl", b"", "data.source", "is empty"),
+        ("blank.jsonl", b"\n\n  \n", "data.source", "holds no row"),
+        ("bad_json.jsonl", GOOD + GOOD + b'{"messages": [\n' + GOOD, "data.source",
+         "bad_json.jsonl:3"),
+        ("latin1.jsonl", GOOD + '{"messages": "caf\xe9"}\n'.encode("latin-1"), "data.source",
+         "latin1.jsonl:2: invalid UTF-8"),
+        ("not_a_list.jsonl", GOOD + b'{"messages": "hello"}\n', "data.source",
+         "not_a_list.jsonl:2"),
+        ("array_row.jsonl", GOOD + b"[1, 2]\n", "data.source", "array_row.jsonl:2"),
+        ("turn_no_role.jsonl", GOOD + b'{"messages": [{"content": "hi"}]}\n', "data.source",
+         "turn_no_role.jsonl:2"),
+        ("cut.json", b'[{"messages": []}, {"messa', "data.source", "cut.json:1: not valid JSON"),
+        ("object.json", b'{"a": 1, "b": 2}', "data.source", "expected a JSON array"),
+        ("chats.csv", b"a,b\n1,2\n", "data.source", "expected a .jsonl, .json or .parquet"),
+        ("no_assistant.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n' * 3,
+         "data.source", "no_assistant_turn"),
+        ("odd_roles.jsonl", b'{"messages": [{"role": "narrator", "content": "x"}]}\n',
+         "data.source", "unknown_role"),
+        ("other_column.jsonl", b'{"dialog": []}\n', "data.column", "data.column"),
+        ("binary.jsonl", bytes(range(256)) * 4, "data.source", "no row of"),
+    ],
+)  # fmt: skip
+def test_damaged_data_files_are_refused_in_the_plan_naming_file_and_line(
+    tmp_path, tiny_model_dir, name, content, key, says
+):
+    data = _write(tmp_path / name, content)
+    t0 = time.time()
+    err = _refusal(tiny_model_dir, data, tmp_path)
+    assert err.key == key and says in err.message, err.message
+    assert time.time() - t0 < 30  # before any weight loads: the plan reads config files only
+
+
+def test_a_missing_file_or_folder_is_refused(tmp_path, tiny_model_dir):
+    assert _refusal(tiny_model_dir, tmp_path / "nope.jsonl", tmp_path).key == "data.source"
+    assert "is a folder" in _refusal(tiny_model_dir, tmp_path, tmp_path).message
+
+
+def test_skipped_rows_are_counted_by_reason(tmp_path, tiny_model_dir):
+    rows = [GOOD] * 6 + [
+        b"{not json\n",
+        b'{"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", '
+        b'"content": "y"}]}\n',
+        b'{"messages": [{"role": "user", "content": "only a question"}]}\n',
+    ]
+    data = _write(tmp_path / "mixed.jsonl", b"".join(rows))
+    refused = _refusal(tiny_model_dir, data, tmp_path)
+    assert "1 malformed row(s) of 9, the first at" in refused.message
+    assert "data.on_bad_row=skip" in refused.message
+    run = run_job(
+        compose(
+            tiny(tiny_model_dir, data, tmp_path, "run.stages=[prepare]", "data.on_bad_row=skip")
+        )
+    )
+    m = run.results["prepare"].metrics
+    assert m["rows"] == 6 and m["rows_read"] == 9
+    dropped = m["dropped"]
+    assert (dropped["malformed"], dropped["unknown_role"], dropped["no_assistant_turn"]) == (
+        1,
+        1,
+        1,
+    )
+    manifest = json.loads((run.results["prepare"].path / "manifest.json").read_text())
+    assert manifest["dropped_examples"][0].endswith(
+        "malformed: not JSON (Expecting property name enclosed in double quotes at column 2)"
+    )
+    import mlflow
+
+    got = mlflow.MlflowClient(run.tracking_uri).get_run(run.run_id).data.metrics
+    assert got["prepare/dropped.malformed"] == 1.0 and got["prepare/dropped.unknown_role"] == 1.0
+
+
+def test_rows_the_cut_leaves_without_an_answer_are_counted_as_truncated(tmp_path, tiny_model_dir):
+    long_question = [
+        {"role": "user", "content": "why " * 400},
+        {"role": "assistant", "content": "because"},
+    ]
+    data = _chats(tmp_path / "c.jsonl", 6)
+    with open(data, "a") as fh:
+        fh.write(json.dumps({"messages": long_question}) + "\n")
+    extra = ("run.stages=[prepare]", "data.max_seq_len=128", "data.shuffle=false")
+    run = run_job(compose(tiny(tiny_model_dir, data, tmp_path, *extra)))
+    assert run.results["prepare"].metrics["dropped"]["truncated"] == 1
+
+
+@pytest.mark.parametrize(
+    "extra,key,says",
+    [
+        (["train.loss_fn=bogus"], "train.loss_fn", "Unknown loss function"),
+        (["+train.extra_args.foo_bar=1"], "train.extra_args.foo_bar", "unrecognized arguments"),
+        (["+train.extra_args.weight_decay=abc"], "train.extra_args.weight_decay",
+         "invalid float value"),
+        (["+train.extra_args.checkpoint_freq=-1"], "train.extra_args.checkpoint_freq", "> 0"),
+        (["data.max_seq_len=8192"], "data.max_seq_len", "context of 4096"),
+        (["run.stages=[all]", "eval.max_model_len=8192"], "eval.max_model_len", "context of 4096"),
+        (["tracking.uri=http://127.0.0.1:9", "tracking.connect_timeout_s=2"], "tracking.uri",
+         "unreachable within 2 s"),
+    ],
+)  # fmt: skip
+def test_values_refused_in_the_plan_name_the_runners_key(tmp_path, tiny_model_dir, chats_jsonl,
+                                                         extra, key, says):  # fmt: skip
+    err = _refusal(tiny_model_dir, chats_jsonl, tmp_path, *extra)
+    assert err.key == key and says in err.message, err.message
+
+
+def test_a_gpu_config_on_a_machine_without_gpus_is_an_error_outside_a_plan(
+    tmp_path, tiny_model_dir, chats_jsonl, monkeypatch
+):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # also on a GPU machine: none visible
+    plan_only = _plan(tiny_model_dir, chats_jsonl, tmp_path, "hardware=gpu1")
+    assert not plan_only.plan.errors and "a plan only" in plan_only.plan.render()
+    with pytest.raises(ConfigError) as info:
+        run_job(compose(tiny(tiny_model_dir, chats_jsonl, tmp_path, "hardware=gpu1")))
+    assert info.value.key == "hardware"
+    assert not (tmp_path / "store").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_training_never_falls_back_to_another_device(monkeypatch):
+    import torch
+
+    from runner.integrations.speculators import TrainingState, runner_training
+
+    if torch.cuda.is_available():
+        pytest.skip("a machine with a GPU: the fallback cannot happen here")
+    with pytest.raises(ConfigError) as info, runner_training(TrainingState(), "cuda"):
+        pass
+    assert info.value.key == "hardware"
+
+
+def test_an_unsizable_quantization_is_stated_not_refused(tmp_path):
+    model = tmp_path / "kimi"
+    shutil.copytree(KIMI, model)
+    cfg = json.loads((model / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    cfg.pop("quantization_config", None)
+    (model / "config.json").write_text(json.dumps(cfg))
+    base = ["model=kimi_k25", f"model.source={model}", "hardware=blackwell8", "run.plan_only=true",
+            "data.num_samples=100", f"run.output_root={tmp_path / 'out'}"]  # fmt: skip
+    p = run_job(compose(base)).plan
+    assert not p.errors  # bf16 would not fit TP 8, but it is a guess: stated, not refused
+    assert any(w.key == "model.weights_gib" for w in p.problems)
+    assert "ASSUMED bf16" in p.render()
+    stated = run_job(compose([*base, "model.weights_gib=550"])).plan
+    assert stated.numbers["weight_bytes_per_gpu"] == 550 * 2**30 / 8
+    assert "stated by model.weights_gib" in stated.render()
+    with pytest.raises(ConfigError) as info:  # a stated size that does not fit is refused
+        run_job(compose([*base, "model.weights_gib=2000"]))
+    assert info.value.key == "hardware.tensor_parallel_size"
+
+
+def test_a_failed_stage_leaves_no_locks_or_empty_folders(tmp_path, tiny_model_dir):
+    # Every row loses its answer to the cut: prepare fails after it started.
+    data = _chats(tmp_path / "c.jsonl", 6)
+    with pytest.raises(ConfigError) as info:
+        extra = ("run.stages=[prepare]", "data.min_assistant_tokens=500")
+        run_job(compose(tiny(tiny_model_dir, data, tmp_path / "out", *extra)))
+    assert info.value.key == "data.source" and "few_assistant_tokens" in info.value.message
+    out = tmp_path / "out"
+    assert not (out / "store").exists() and not (out / "scratch").exists()
+
+
+def _cli(*args: str, root: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runner", f"run.output_root={root}", *args],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_the_command_line_exits_with_the_config_error_code(tmp_path):
+    composing = _cli("train.optimizer=sgd", root=tmp_path)  # refused by Hydra while composing
+    assert composing.returncode == 2
+    assert "train.optimizer" in composing.stderr and "adamw" in composing.stderr
+    missing = _cli("model=hf", root=tmp_path)
+    assert missing.returncode == 2 and "model.name" in missing.stderr
+    assert "model.source" in missing.stderr and "Traceback" not in missing.stderr
+    unwritable = _cli(root=Path("/proc/no/such/root"))
+    assert unwritable.returncode == 2 and "run.output_root" in unwritable.stderr
+    assert "Traceback" not in unwritable.stderr
