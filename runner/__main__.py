@@ -8,7 +8,8 @@ summary with the `mlflow ui` command that shows the run. Examples:
     python -m runner run.stages=[prepare,extract]      # e.g. on the GPU box
     python -m runner --cfg job                         # print the composed config
 Exit status: 0 done, 1 a stage failed (or a sweep job did), 2 a config error (including one
-Hydra finds while composing: a wrong type or choice, an unknown option).
+Hydra finds while composing: a wrong type or choice, an unknown option), 130 / 143 stopped by
+SIGINT / SIGTERM (the MLflow run is KILLED; the same command continues).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError, StageError
-from runner.job import run_job
+from runner.interrupts import Interrupted, as_interrupted
+from runner.job import rerun_command, run_job
 from runner.schema import RunnerConfig
 
 ConfigStore.instance().store(name="base_config", node=RunnerConfig)
@@ -62,6 +64,16 @@ def main(cfg: DictConfig) -> float | None:
         if multirun:
             return None
         sys.exit(1)
+    except (Interrupted, KeyboardInterrupt) as exc:  # a signal stops a sweep too
+        stopped = as_interrupted(exc)
+        assert stopped is not None
+        where = f" during stage '{stopped.stage}'" if stopped.stage else ""
+        detail = stopped.detail or (
+            "nothing half-written was published (a resumable stage keeps its work folder); "
+            f"run the same command to continue: {rerun_command()}"
+        )
+        print(f"\ninterrupted by {stopped.name}{where}: {detail}", file=sys.stderr)
+        sys.exit(stopped.exit_code)
     except Exception:
         if multirun:
             traceback.print_exc()

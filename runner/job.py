@@ -28,13 +28,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.assets import resolve_model
 from runner.checks import check_config, check_target
+from runner.interrupts import as_interrupted, stop_on_signals
 from runner.pipeline import Pipeline, StageResult
 from runner.preflight import Plan, build_plan
 from runner.schema import RunnerConfig, typed
 from runner.store import ArtifactStore, writable_root
 from runner.sweep import PARENT_ENV, sweep_job_tags
 from runner.target_facts import Target, resolve_target
-from runner.tracking import Tracker, tracking_uri
+from runner.tracking import Tracker, process_tags, tracking_uri
 from runner.versions import TRACKED, versions
 
 log = logging.getLogger("runner")
@@ -110,7 +111,7 @@ def _cpu_threads(n: int | None) -> Iterator[None]:
 
 def run_job(node: DictConfig | RunnerConfig) -> JobResult:
     _setup_logging()
-    with _scoped_environ():
+    with _scoped_environ(), stop_on_signals():
         return _run_job(node)
 
 
@@ -128,6 +129,8 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
         target = resolve_target(cfg, output_root)  # config files only; no weights
         check_target(cfg, target)
         store = ArtifactStore(output_root)
+        if not cfg.run.plan_only:
+            store.remove_dead_temps()
         pipeline = Pipeline(cfg, target.facts, store, rerun_command=rerun_command())
         planned = pipeline.plan()
         plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, output_root)
@@ -143,6 +146,8 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
         raise
 
     pipeline.tracker = tracker
+    pipeline.disk_needs = {k.split(".", 1)[1]: v for k, v in plan.numbers.items()
+                           if k.startswith("disk_need.")}  # fmt: skip
     run_id = tracker.start(_run_name(cfg), _run_tags(target))
     try:
         _log_config(tracker, cfg, target)
@@ -150,8 +155,9 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
             results = {r.name: r for r in pipeline.run()}
         for r in results.values():
             _log_outputs(tracker, cfg, r)
-    except BaseException:
-        _end_failed(tracker)
+    except BaseException as exc:
+        # A signal is not a failure of the run's own making: MLflow shows it as KILLED.
+        _end_failed(tracker, "KILLED" if as_interrupted(exc) else "FAILED")
         raise
     tracker.end("FINISHED")
 
@@ -181,6 +187,7 @@ def _run_name(cfg: RunnerConfig) -> str:
 
 def _run_tags(target: Target) -> dict[str, str]:
     tags = {
+        **process_tags(),
         "git_commit": _git_commit(),
         "model_path": target.facts.path,
         **{f"version.{lib}": v for lib, v in versions(TRACKED).items()},
@@ -223,12 +230,16 @@ def _log_outputs(tracker: Tracker, cfg: RunnerConfig, r: StageResult) -> None:
             tracker.log_or_link(path, folder, cfg.tracking.log_checkpoint_max_mb)
 
 
-def _end_failed(tracker: Tracker) -> None:
-    """Close the run FAILED without letting a tracking error hide the stage's own error."""
+def _end_failed(tracker: Tracker, status: str) -> None:
+    """Close the run FAILED or KILLED without letting a tracking error hide the stage's own
+    error (the caller re-raises it); a run left RUNNING is reconciled by the next run."""
     try:
-        tracker.end("FAILED")
-    except Exception as exc:  # the original exception is re-raised by the caller
-        log.error("could not mark the MLflow run FAILED: %s: %s", type(exc).__name__, exc)
+        tracker.end(status)
+    except Exception as exc:
+        log.error(
+            "could not mark MLflow run %s %s in %s (%s: %s); the next run on this store marks it",
+            tracker.run_id, status, tracker.uri, type(exc).__name__, str(exc)[:300],
+        )  # fmt: skip
 
 
 def _objective(results: dict[str, StageResult]) -> float | None:

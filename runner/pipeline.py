@@ -19,9 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import ConfigError, StageError
+from runner.interrupts import as_interrupted
 from runner.schema import ALL_STAGES, RunnerConfig
 from runner.stage import Stage, StageContext, registry
-from runner.store import Artifact, ArtifactStore, compute_key
+from runner.store import (
+    Artifact,
+    ArtifactStore,
+    compute_key,
+    damage,
+    disk_full,
+    filesystem_root,
+    fmt_bytes,
+    free_bytes,
+)
 from runner.target_facts import ModelFacts
 from runner.tracking import Tracker
 from runner.versions import versions
@@ -76,6 +86,10 @@ class Pipeline:
         self.tracker = tracker
         self.rerun_command = rerun_command
         self.stages = registry()
+        # stage -> what is wrong with its stored artifact, found while planning
+        self.damaged: dict[str, str] = {}
+        # stage -> bytes the plan expects it to write (Plan.numbers "disk_need.<stage>")
+        self.disk_needs: dict[str, float] = {}
 
     def plan(self) -> list[PlannedStage]:
         """The stages this invocation needs, each with its key and what will happen to it."""
@@ -90,11 +104,13 @@ class Pipeline:
             libs = versions(dict(stage.libraries))
             key = compute_key(stage.name, stage.version, config_slice, upstream, libs)
             keys[stage.name] = key
-            have = self.store.get(stage.name, key) is not None
+            have = self._intact(stage.name, key)
             why = ""
             if stage.name in requested and (stage.name in force or not have):
                 action = "run"
                 why = "forced (run.force)" if have else self._why(stage, config_slice, upstream)
+                if stage.name in self.damaged:
+                    why = f"the stored artifact is damaged: {self.damaged[stage.name]}"
             elif have:
                 action = "cached"
             else:
@@ -106,6 +122,28 @@ class Pipeline:
             if p.name in needed:
                 needed.update(p.upstream)
         return [p for p in planned if p.name in needed]
+
+    def _intact(self, stage: str, key: str) -> bool:
+        """Whether the store holds this artifact undamaged (runner.store.damage). A damaged one
+        is never used: moved aside to be computed again, or the run stops (run.on_damaged). A
+        plan alone (run.plan_only) changes nothing and only reports it."""
+        art = self.store.get(stage, key)
+        if art is None:
+            return False
+        wrong = damage(art, full=self.cfg.run.verify == "full")
+        if wrong is None:
+            return True
+        self.damaged[stage] = f"{art.path}: {wrong}"
+        if self.cfg.run.on_damaged == "stop" and not self.cfg.run.plan_only:
+            raise StageError(
+                f"the stored {stage} artifact {art.path} is damaged: {wrong}. Delete it, or set "
+                "run.on_damaged=recompute to move it aside and compute it again"
+            )
+        if not self.cfg.run.plan_only:
+            aside = self.store.set_aside(art)
+            log.warning("[%s] stored artifact damaged (%s): moved to %s; computing it again",
+                        stage, wrong, aside)  # fmt: skip
+        return False
 
     def _why(self, stage: Stage, config_slice: Any, upstream: dict[str, str]) -> str:
         """What differs from the latest stored artifact of this stage: its own settings (e.g.
@@ -156,32 +194,54 @@ class Pipeline:
         results = []
         artifacts: dict[str, Artifact] = {}
         for p in planned:
-            t0 = time.time()
-            art = self.store.get(p.name, p.key) if p.action == "cached" else None
-            if art is not None:
-                self._check_provenance(p.stage, art)
-                log.info("[%s] cached: reusing %s", p.name, art.path)
-                status = "cached"
-            else:
-                with self.store.lock(p.name, p.key):
-                    art = self.store.get(p.name, p.key)
-                    if art is not None and p.name not in force:
-                        self._check_provenance(p.stage, art)
-                        log.info("[%s] cached: another job finished %s meanwhile", p.name, art.path)
-                        status = "cached"
-                    else:
-                        log.info("[%s] running (key %s): %s", p.name, p.key, p.why or "new")
-                        art = self._compute(p, artifacts)
-                        status = "computed"
-            artifacts[p.name] = art
-            manifest = art.manifest
-            metrics = manifest.get("metrics", {})
-            seconds = time.time() - t0
-            if self.tracker is not None:
-                self._track(p, art, status, seconds, manifest)
-            results.append(StageResult(p.stage, p.key, status, seconds, art.path, metrics))
-            log.info("[%s] %s in %.1f s -> %s", p.name, status, seconds, art.path)
+            try:
+                results.append(self._run_one(p, force, artifacts))
+            except BaseException as exc:
+                stopped = as_interrupted(exc)
+                if stopped is None:
+                    raise
+                stopped.stage = stopped.stage or p.name
+                if stopped is exc:
+                    raise
+                raise stopped from None
         return results
+
+    def _run_one(
+        self, p: PlannedStage, force: set[str], artifacts: dict[str, Artifact]
+    ) -> StageResult:
+        """One stage: reuse or compute it, then track it."""
+        t0 = time.time()
+        art = self.store.get(p.name, p.key) if p.action == "cached" else None
+        if art is not None:
+            self._check_provenance(p.stage, art)
+            log.info("[%s] cached: reusing %s", p.name, art.path)
+            status = "cached"
+        else:
+            with self.store.lock(p.name, p.key):
+                art = self.store.get(p.name, p.key)
+                if art is not None and p.name not in force:
+                    self._check_provenance(p.stage, art)
+                    log.info("[%s] cached: another job finished %s meanwhile", p.name, art.path)
+                    status = "cached"
+                else:
+                    log.info("[%s] running (key %s): %s", p.name, p.key, p.why or "new")
+                    art = self._compute(p, artifacts)
+                    status = "computed"
+        artifacts[p.name] = art
+        manifest = art.manifest
+        metrics = manifest.get("metrics", {})
+        seconds = time.time() - t0
+        if self.tracker is not None:
+            try:
+                self._track(p, art, status, seconds, manifest)
+            except Exception as exc:  # locked, full or unreachable: say which store
+                raise StageError(
+                    f"the MLflow store {self.tracker.uri} failed while recording stage "
+                    f"'{p.name}' ({type(exc).__name__}: {exc}); the artifact itself is published "
+                    f"at {art.path}"
+                ) from exc
+        log.info("[%s] %s in %.1f s -> %s", p.name, status, seconds, art.path)
+        return StageResult(p.stage, p.key, status, seconds, art.path, metrics)
 
     def _track(
         self, p: PlannedStage, art: Artifact, status: str, seconds: float, manifest: dict
@@ -243,6 +303,17 @@ class Pipeline:
         assert art is not None
         return art
 
+    def _disk_full_error(self, stage: str, where: Path) -> StageError:
+        """One line: where, how much is free, what the plan said the stage needs, what to do.
+        Nothing is published (the temporary folder goes); the same command continues."""
+        need = self.disk_needs.get(stage)
+        planned = f"; the plan estimated {fmt_bytes(need)} for it" if need else ""
+        return StageError(
+            f"disk full: stage '{stage}' could not write {where} ({fmt_bytes(free_bytes(where))} "
+            f"free on {filesystem_root(where)}{planned}). Nothing was published; free space or "
+            "move run.output_root (or lower data.num_samples), then run the same command"
+        )
+
     @staticmethod
     def _leave_scratch(stage: Stage, scratch: Path) -> None:
         """After a failure: a resumable stage's work folder is kept (and said so) when it holds
@@ -275,8 +346,12 @@ class Pipeline:
             )
             try:
                 metrics = stage.run(ctx) or {}
-            except (ConfigError, StageError):
+            except (ConfigError, StageError) as exc:
+                if disk_full(exc, tmp):
+                    raise self._disk_full_error(p.name, tmp) from exc
                 raise
             except Exception as exc:
+                if disk_full(exc, tmp):  # the partial output is still there: the disk is full
+                    raise self._disk_full_error(p.name, tmp) from exc
                 raise StageError(f"stage '{p.name}' failed: {type(exc).__name__}: {exc}") from exc
             manifest["metrics"] = {**manifest["metrics"], **metrics}

@@ -14,7 +14,6 @@ teacher-logit memory, ...), weights per GPU, parallelism and the environment tha
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from runner.integrations.vllm import vllm_eagle3_support
 from runner.layer_ids import to_output_of
 from runner.schema import RunnerConfig
 from runner.stage import PlanView, Stage
-from runner.store import ArtifactStore
+from runner.store import ArtifactStore, fmt_bytes
 from runner.target_facts import Target, weight_bytes
 from runner.target_layout import MIN_VLLM, MIN_VLLM_DEFAULT
 from runner.tracking import check_store, tracking_uri
@@ -74,22 +73,6 @@ class Plan:
     def raise_first_error(self) -> None:
         if self.errors:
             raise ConfigError(self.errors[0].key, self.errors[0].message)
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes on the filesystem that holds `path` (or would, once created)."""
-    p = path
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _target_lines(plan: Plan, cfg: RunnerConfig, target: Target) -> None:

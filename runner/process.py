@@ -7,10 +7,12 @@ multi-GPU trainer (torchrun) both run as one.
 The child runs in its own process group (session), so everything it starts (vLLM's engine,
 torchrun's ranks) can be stopped together: SIGTERM to the group, then SIGKILL after
 `stop_timeout_s`, on leaving the block for any reason. While it runs, the runner turns SIGTERM
-into SystemExit so that the block is left and the child stopped, and the kernel signals the
-child (PR_SET_PDEATHSIG) if the runner itself is killed outright. Every output line goes to
-`log_path` as it comes (flushed: `tail -f` works) and to a tail kept for error messages; `echo`
-decides which lines are also printed.
+into SystemExit so that the block is left and the child stopped, and if the runner itself is
+killed outright the kernel signals the child (PR_SET_PDEATHSIG) and the reaper
+(runner/reaper.py) kills the child's whole tree at once. Once the runner stops the child, its
+output goes to the log file only (no EngineDeadError traceback on the console). Every output
+line goes to `log_path` as it comes (flushed: `tail -f` works) and to a tail kept for error
+messages; `echo` decides which lines are also printed.
 """
 
 from __future__ import annotations
@@ -42,6 +44,21 @@ def _die_with_parent() -> None:
 
 def _raise_system_exit(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
+
+
+def _start_reaper(pid: int) -> subprocess.Popen | None:
+    """runner/reaper.py for the child `pid`: kills its whole tree at once if the runner dies."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "runner.reaper", str(pid)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": path},
+        )  # fmt: skip
+    except OSError as exc:  # the child still dies with the runner, only less promptly
+        log.warning("could not start the reaper for pid %d: %s", pid, exc)
+        return None
 
 
 def signal_group(pid: int, sig: int) -> None:
@@ -87,6 +104,8 @@ class ManagedProcess:
         # outlive it, so stop() signals their groups too.
         self._seen: set[int] = set()
         self._watcher: threading.Thread | None = None
+        self._stopping = False
+        self._reaper: subprocess.Popen | None = None
 
     def __enter__(self) -> ManagedProcess:
         try:
@@ -119,13 +138,16 @@ class ManagedProcess:
             start_new_session=True,  # its own process group: what it starts goes with it
             preexec_fn=_die_with_parent,
         )
+        self._reaper = _start_reaper(self._proc.pid)
         self._reader = threading.Thread(target=self._copy_output, daemon=True)
         self._reader.start()
         self._watcher = threading.Thread(target=self._watch, args=(self._proc,), daemon=True)
         self._watcher.start()
-        if threading.current_thread() is threading.main_thread():
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             # SIGTERM (a scheduler cancelling the job) would otherwise end the runner without
-            # the cleanup in stop() and leave the child holding the machine.
+            # the cleanup in stop() and leave the child holding the machine. A runner job has
+            # its own handler already (runner/interrupts.py), which leaves the block the same way.
             self._old_sigterm = signal.signal(signal.SIGTERM, _raise_system_exit)
 
     def _copy_output(self) -> None:
@@ -135,7 +157,9 @@ class ManagedProcess:
             self._logf.flush()
             line = raw.decode(errors="replace").rstrip()
             self._tail.append(line)
-            if self.echo(line):
+            # Once the runner stops it, what the child says about dying (vLLM's EngineDeadError
+            # traceback) goes to its log file only.
+            if not self._stopping and self.echo(line):
                 sys.stdout.write(f"[{self.label}] {line}\n")
                 sys.stdout.flush()
         self._logf.flush()
@@ -173,6 +197,11 @@ class ManagedProcess:
     def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM the group, SIGKILL what is left after the grace period; idempotent."""
         proc, self._proc = self._proc, None
+        self._stopping = True
+        if self._reaper is not None:  # a deliberate stop: the reaper has nothing to do
+            self._reaper.kill()
+            self._reaper.wait()
+            self._reaper = None
         if proc is not None:
             self._seen.update(children(proc.pid))
             if proc.poll() is None:

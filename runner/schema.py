@@ -59,6 +59,20 @@ class ExtractBackend(StrEnum):
     vllm = "vllm"
 
 
+class Verify(StrEnum):
+    # Sizes, and a hash of every file modified since it was published.
+    cheap = "cheap"
+    # A hash of every file.
+    full = "full"
+
+
+class OnDamaged(StrEnum):
+    # Move the damaged artifact aside and compute it again.
+    recompute = "recompute"
+    # Stop the run, naming the damaged file.
+    stop = "stop"
+
+
 class OnBadRow(StrEnum):
     fail = "fail"
     skip = "skip"
@@ -436,6 +450,11 @@ class RunConfig:
     output_root: str = "outputs"
     # Print the preflight plan and stop: no weights load, no GPU needed, seconds.
     plan_only: bool = False
+    # How a stored artifact is checked against its manifest before it is reused (the draft is
+    # always hashed in full before it is served).
+    verify: Verify = Verify.cheap
+    # What a damaged artifact leads to.
+    on_damaged: OnDamaged = OnDamaged.recompute
 
     def check(self, known: tuple[str, ...]) -> None:
         for key, names in (("run.stages", self.stages), ("run.force", self.force)):

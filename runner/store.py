@@ -5,19 +5,25 @@ The key hashes the stage's config slice, its upstream keys, its own VERSION and 
 versions that change its output, so a changed training setting gives `train` (and everything
 downstream) a new key while `prepare`/`extract`/`vocab` keep theirs.
 
-A stage writes into `<output_root>/store/<stage>/.tmp-<key>-<pid>/`; only a completed stage is
-renamed into place, with its manifest written last inside the temporary folder. A folder without
-a manifest is never trusted, so an interrupted run leaves nothing a later run would reuse.
+A stage writes into `<output_root>/store/<stage>/.tmp-<key>-<host>-<pid>/`; only a completed
+stage is renamed into place, with its manifest written last inside the temporary folder. A
+folder without a manifest is never trusted, so an interrupted run leaves nothing a later run
+would reuse, and the next run on the same host removes what a dead process left. On reuse a
+stage's files are checked against its manifest (`damage`): sizes always, sha256 of files
+modified since publication, of every file with run.verify=full.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -81,11 +87,115 @@ def describe_files(folder: Path) -> tuple[list[dict[str, Any]], int]:
     hashed = total <= HASH_LIMIT_BYTES
     listing = []
     for p in files:
-        entry: dict[str, Any] = {"path": str(p.relative_to(folder)), "bytes": p.stat().st_size}
+        st = p.stat()
+        entry: dict[str, Any] = {"path": str(p.relative_to(folder)), "bytes": st.st_size,
+                                 "mtime_ns": st.st_mtime_ns}  # fmt: skip
         if hashed:
             entry["sha256"] = _sha256(p)
         listing.append(entry)
     return listing, total
+
+
+# Below this many free bytes after a failed write, the disk is taken to be full even when the
+# error does not say so (torch's checkpoint writer reports "unexpected pos").
+_NEARLY_FULL = 16 << 20
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def filesystem_root(path: Path) -> Path:
+    """The mount point of the filesystem that holds `path`."""
+    p = path.resolve()
+    while not p.exists():
+        p = p.parent
+    while not os.path.ismount(p):
+        p = p.parent
+    return p
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that holds `path` (or would, once created)."""
+    p = path
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def disk_full(exc: BaseException, where: Path) -> bool:
+    """Whether `exc` (or what caused it) is a full disk or quota under `where`."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    try:
+        return free_bytes(where) < _NEARLY_FULL
+    except OSError:
+        return False
+
+
+def damage(art: Artifact, full: bool = False, under: str = "") -> str | None:
+    """What is wrong with a published artifact's files (those under `under`), or None.
+
+    Every file must exist with the size its manifest records. A file is hashed when `full`, or
+    when its modification time differs from the one recorded at publication (an edit in place,
+    a bit flip written by anything, a copy that did not keep times); its sha256 must match.
+    Artifacts above HASH_LIMIT_BYTES recorded sizes only."""
+    try:
+        files = art.manifest.get("files", [])
+    except (OSError, ValueError) as exc:
+        return f"{MANIFEST} is unreadable ({type(exc).__name__})"
+    for f in files:
+        if not f["path"].startswith(under):
+            continue
+        p = art.path / f["path"]
+        try:
+            st = p.stat()
+        except OSError:
+            return f"{f['path']} is missing"
+        if st.st_size != f["bytes"]:
+            return f"{f['path']} is {st.st_size} bytes; its manifest records {f['bytes']}"
+        touched = st.st_mtime_ns != f.get("mtime_ns", st.st_mtime_ns)
+        if "sha256" in f and (full or touched) and _sha256(p) != f["sha256"]:
+            return f"{f['path']} does not match the sha256 its manifest records"
+    return None
+
+
+# Temporary folders carry their owner (host and pid): a later run on the same host removes those
+# of dead processes; a store shared by several nodes never loses another node's work in progress.
+_HOST = socket.gethostname().replace("-", "_")
+_OWNER = f"{_HOST}-{os.getpid()}"
+_TEMP = re.compile(r"^\.(tmp|old)-(?P<key>[0-9a-f]+)-(?P<host>[^-]+)-(?P<pid>\d+)$")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def dead_temps(root: Path) -> list[Path]:
+    """Temporary folders under the store `root` left by dead processes of this host."""
+    out = []
+    for folder in sorted(root.glob("*/.*")):
+        m = _TEMP.match(folder.name)
+        if m and m["host"] == _HOST and not pid_alive(int(m["pid"])):
+            out.append(folder)
+    return out
 
 
 @dataclass
@@ -112,6 +222,20 @@ class ArtifactStore:
         if (p / MANIFEST).is_file():
             return Artifact(stage, key, p)
         return None
+
+    def remove_dead_temps(self) -> list[Path]:
+        """Remove what killed runs of this host left half-written (their pid names them)."""
+        removed = dead_temps(self.root) if self.root.is_dir() else []
+        for folder in removed:
+            shutil.rmtree(folder, ignore_errors=True)
+            log.info("removed %s, left half-written by a process that no longer runs", folder)
+        return removed
+
+    def set_aside(self, art: Artifact) -> Path:
+        """Move a damaged artifact out of the way (kept for inspection, never reused)."""
+        aside = art.path.parent / f".damaged-{art.key}-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(art.path, aside)
+        return aside
 
     def latest(self, stage: str, limit: int = 200) -> Artifact | None:
         """The most recently published artifact of `stage` (of the `limit` newest folders)."""
@@ -167,7 +291,7 @@ class ArtifactStore:
         files, sizes, hashes and timings are added here.
         """
         final = self.path(stage, key)
-        tmp = final.parent / f".tmp-{key}-{os.getpid()}"
+        tmp = final.parent / f".tmp-{key}-{_OWNER}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         started = time.time()
@@ -185,7 +309,7 @@ class ArtifactStore:
             )
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
             if final.exists():  # a forced re-run replaces the old artifact
-                old = final.parent / f".old-{key}-{os.getpid()}"
+                old = final.parent / f".old-{key}-{_OWNER}"
                 os.replace(final, old)
                 os.replace(tmp, final)
                 shutil.rmtree(old, ignore_errors=True)

@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 from runner.errors import ConfigError
 from runner.stage import registry
 from runner.store import writable_root
-from runner.tracking import Tracker, check_store, tracking_uri
+from runner.tracking import Tracker, check_store, process_tags, tracking_uri
 
 log = logging.getLogger("runner")
 # The sweep's parent run id, exported for the jobs (the joblib launcher's too).
@@ -87,6 +87,7 @@ class SweepCallback(Callback):
             tracker.experiment_id,
             run_name=f"sweep-{sweep_name}",
             tags={
+                **process_tags(),
                 "sweep.config": sweep_name,
                 "sweep.overrides": shlex.join(overrides),
                 "sweep.params": json.dumps(

@@ -11,13 +11,19 @@ Browse with the command `Tracker.ui_command()` returns, e.g.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-from collections.abc import Mapping
+import socket
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
+from runner.errors import ConfigError
 from runner.schema import TrackingConfig
 
 log = logging.getLogger(__name__)
@@ -50,6 +56,45 @@ def tracking_uri(configured: str | None, output_root: Path) -> str:
     if _USER_URI:
         return _USER_URI
     return f"sqlite:///{(output_root / 'mlflow.db').resolve()}"
+
+
+def process_start(pid: int) -> str:
+    """When `pid` started (clock ticks since boot, /proc): with the pid, it names one process,
+    even after the pid is reused."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def process_tags() -> dict[str, str]:
+    """Who owns a run: a later run reconciles it if this process dies without closing it."""
+    pid = os.getpid()
+    return {"runner.host": socket.gethostname(), "runner.pid": str(pid),
+            "runner.pid_start": process_start(pid)}  # fmt: skip
+
+
+def _alive(pid: str | None, started: str | None) -> bool:
+    if not pid or not pid.isdigit():
+        return True  # not the runner's own run: leave it alone
+    return process_start(int(pid)) == (started or process_start(int(pid))) != ""
+
+
+@contextlib.contextmanager
+def _sqlite_lock(uri: str) -> Iterator[None]:
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri[len("sqlite:///") :])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    path = db.with_name(db.name + ".lock")
+    lock = FileLock(str(path))
+    with lock:
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()  # while held: a waiter then opens a fresh one (filelock checks)
 
 
 def check_store(uri: str, timeout_s: float) -> str | None:
@@ -96,18 +141,54 @@ class Tracker:
         # speculators' MLflow logger reads the experiment from this variable when it has to
         # start a run itself; the runner always has one active, but keep them consistent.
         os.environ["MLFLOW_EXPERIMENT_NAME"] = tracking_cfg.experiment
-        exp = mlflow.get_experiment_by_name(tracking_cfg.experiment)
-        if exp is None:
-            artifact_location = None
-            if self.uri.startswith("sqlite:"):
-                artifact_location = (output_root / "mlartifacts").resolve().as_uri()
-            exp_id = mlflow.create_experiment(
-                tracking_cfg.experiment, artifact_location=artifact_location
-            )
-        else:
-            exp_id = exp.experiment_id
-        self.experiment_id = exp_id
         self.run_id: str | None = None
+        try:
+            # Two first runs on a fresh root would both create and migrate the SQLite schema
+            # (and could leave it half-migrated): one at a time.
+            with _sqlite_lock(self.uri):
+                self.experiment_id = self._experiment(tracking_cfg.experiment, output_root)
+        except Exception as exc:  # locked, unreachable, corrupt: say which store
+            raise ConfigError(
+                "tracking.uri", f"the MLflow store {self.uri} failed: {type(exc).__name__}: {exc}"
+            ) from None
+        self._reconcile()
+
+    def _experiment(self, name: str, output_root: Path) -> str:
+        exp = self.mlflow.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        artifact_location = None
+        if self.uri.startswith("sqlite:"):
+            artifact_location = (output_root / "mlartifacts").resolve().as_uri()
+        return self.mlflow.create_experiment(name, artifact_location=artifact_location)
+
+    def _reconcile(self) -> None:
+        """Runs of this experiment left RUNNING by a runner on this host that no longer lives
+        (killed with -9, or its end could not be written) are marked FAILED, with a note."""
+        host = socket.gethostname()
+        try:
+            stale = self.mlflow.MlflowClient(self.uri).search_runs(
+                [self.experiment_id],
+                filter_string=f"attributes.status = 'RUNNING' and tags.`runner.host` = '{host}'",
+                max_results=200,
+            )
+        except Exception as exc:  # reconciling is housekeeping: never a reason to stop
+            log.warning("could not look for stale runs in %s: %s", self.uri, exc)
+            return
+        client = self.mlflow.MlflowClient(self.uri)
+        for run in stale:
+            tags = run.data.tags
+            if _alive(tags.get("runner.pid"), tags.get("runner.pid_start")):
+                continue
+            when = time.strftime("%Y-%m-%d %H:%M:%S")
+            note = (
+                f"the runner (pid {tags.get('runner.pid')} on {host}) ended without closing this "
+                f"run; marked FAILED by a later run at {when}"
+            )
+            with contextlib.suppress(Exception):
+                client.set_tag(run.info.run_id, "runner.note", note)
+                client.set_terminated(run.info.run_id, status="FAILED")
+                log.warning("MLflow run %s: %s", run.info.run_id, note)
 
     def start(self, run_name: str, tags: dict[str, str]) -> str:
         run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=run_name, tags=tags)

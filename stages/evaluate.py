@@ -32,6 +32,7 @@ from runner.integrations.speculators import resolve_train_config
 from runner.preflight import Plan
 from runner.schema import RunnerConfig
 from runner.stage import PlanView, Stage, StageContext
+from runner.store import damage
 from runner.target_facts import ModelFacts
 from runner.versions import VLLM_DISTS
 from runner.vllm_server import VllmServer, counters_delta, engine_args, quiet_http_logs
@@ -215,6 +216,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
     prompts = load_prompts(e)
     train_art = ctx.inputs["train"]
     draft = train_art.path / "draft"
+    # A draft is served only if every byte is what training published (hashed in full: it is
+    # small next to the target, and a bit flip would be served silently).
+    wrong = damage(train_art, full=True, under="draft/")
+    if wrong is not None:
+        raise StageError(
+            f"the draft in {train_art.path} is damaged ({wrong}); refusing to serve it. Run "
+            "with run.force=[train] to train it again, or delete that folder"
+        )
     work = ctx.scratch
     logs = work / "logs"  # copied into the artifact at the end; kept in scratch if the stage fails
     spec = _serve(cfg, ctx.facts, draft, prompts, "draft", logs)

@@ -40,10 +40,12 @@ from runner.integrations.speculators import (
     negatable_flags,
     run_training,
 )
-from runner.preflight import Plan, fmt_bytes
+from runner.interrupts import Interrupted
+from runner.preflight import Plan
 from runner.process import ManagedProcess
 from runner.schema import RunnerConfig
 from runner.stage import PlanView, Stage, StageContext
+from runner.store import fmt_bytes
 from runner.target_facts import ModelFacts
 
 log = logging.getLogger("runner")
@@ -320,10 +322,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     else:
         outcome = _torchrun(ctx, argv, ranks)
     if outcome.get("status") != "finished":
-        raise StageError(
-            f"training was stopped by {outcome.get('signal') or 'a signal'} at epoch "
-            f"{outcome.get('epoch')} step {outcome.get('local_step')} (global step "
-            f"{outcome.get('global_step')}) and saved a checkpoint. {_resume_hint(ctx)}"
+        name = outcome.get("signal") or "SIGTERM"  # None: another rank was signalled
+        raise Interrupted(
+            signal.Signals[name],
+            f"training was stopped by {name} at epoch {outcome.get('epoch')} step "
+            f"{outcome.get('local_step')} (global step {outcome.get('global_step')}) and saved a "
+            f"checkpoint. {_resume_hint(ctx)}",
         )
     records = _records(work / "metrics.jsonl")
     with open(ctx.out / "metrics.jsonl", "w") as fh:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -37,10 +39,12 @@ def test_publish_is_atomic_and_records_files(tmp_path):
     art = store.get("vocab", "k1")
     assert art is not None
     m = json.loads((art.path / MANIFEST).read_text())
+    mtime = (art.path / "d2t.npy").stat().st_mtime_ns  # unchanged by the rename into place
     assert m["files"] == [
         {
             "path": "d2t.npy",
             "bytes": 5,
+            "mtime_ns": mtime,
             "sha256": "5994471abb01112afcc18159f6cc74b4f511b99806da59b3caf5a9c173cacfc5",
         }
     ]
@@ -69,3 +73,72 @@ def test_a_forced_rerun_replaces_the_artifact(tmp_path):
             (out / "f").write_bytes(content)
     assert (store.get("train", "k4").path / "f").read_bytes() == b"new"
     assert sorted(p.name for p in (tmp_path / "store" / "train").iterdir()) == ["k4"]
+
+
+def _published(store: ArtifactStore, key: str = "k9") -> Path:
+    with store.writing("extract", key, {}) as out:
+        (out / "hidden_states").mkdir()
+        (out / "hidden_states" / "hs_0.safetensors").write_bytes(bytes(range(256)) * 64)
+        (out / "layer_stats.json").write_text("{}")
+    return store.get("extract", key).path
+
+
+def test_damage_names_the_file_a_truncation_or_an_edit_broke(tmp_path):
+    from runner.store import damage
+
+    store = ArtifactStore(tmp_path)
+    path = _published(store)
+    art = store.get("extract", "k9")
+    assert damage(art) is None and damage(art, full=True) is None
+    hs = path / "hidden_states" / "hs_0.safetensors"
+    st = hs.stat()
+    flipped = bytearray(hs.read_bytes())
+    flipped[100] ^= 0xFF
+    hs.write_bytes(bytes(flipped))
+    os.utime(hs, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same time
+    assert damage(art) is None  # the cheap check cannot see it...
+    assert "hs_0.safetensors does not match the sha256" in damage(art, full=True)  # ...full can
+    hs.write_bytes(bytes(flipped))  # an edit that moves the time is hashed even when cheap
+    assert "does not match the sha256" in damage(art)
+    hs.write_bytes(b"short")
+    assert damage(art) == "hidden_states/hs_0.safetensors is 5 bytes; its manifest records 16384"
+    hs.unlink()
+    assert damage(art) == "hidden_states/hs_0.safetensors is missing"
+
+
+def test_only_temporary_folders_of_dead_processes_are_removed(tmp_path):
+    import subprocess
+
+    from runner.store import _HOST
+
+    store = ArtifactStore(tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    stage = tmp_path / "store" / "extract"
+    gone = stage / f".tmp-abc123-{_HOST}-{dead.pid}"
+    mine = stage / f".tmp-abc124-{_HOST}-{os.getpid()}"
+    other_host = stage / f".tmp-abc125-elsewhere-{dead.pid}"
+    for folder in (gone, mine, other_host):
+        folder.mkdir(parents=True)
+    assert store.remove_dead_temps() == [gone]
+    assert not gone.exists() and mine.exists() and other_host.exists()
+
+
+def test_gc_lists_by_default_and_removes_on_request(tmp_path, capsys):
+    from runner.gc import main as gc
+
+    store = ArtifactStore(tmp_path)
+    _published(store, "k1")
+    leftover = store.scratch("extract", "k1")  # its artifact is published
+    resume = store.scratch("train", "k2")  # an unfinished stage's checkpoints
+    for folder in (leftover, resume):
+        folder.mkdir(parents=True)
+        (folder / "f").write_bytes(b"x" * 1000)
+    _published(store, "k3")
+    aside = store.set_aside(store.get("extract", "k3"))
+    assert gc(["--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "damaged" in out and "leftover" in out and "resume" in out
+    assert leftover.exists() and aside.exists()  # a dry run removes nothing
+    assert gc(["--root", str(tmp_path), "--delete"]) == 0
+    assert not leftover.exists() and not aside.exists() and resume.exists()

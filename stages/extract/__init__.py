@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from runner.layer_ids import hook_point
-from runner.preflight import Plan, fmt_bytes, free_bytes
+from runner.preflight import Plan
 from runner.schema import DTYPE_BYTES, RunnerConfig
 from runner.stage import PlanView, Stage, StageContext
+from runner.store import fmt_bytes, free_bytes
 from runner.target_facts import ModelFacts
 from runner.versions import VLLM_DISTS, versions
 
@@ -181,6 +182,7 @@ def plan(p: Plan, view: PlanView) -> None:
     tokens_est = tokens or cfg.data.num_samples * cfg.data.max_seq_len
     need, free = bpt * tokens_est, free_bytes(view.output_root)
     p.numbers.update(bytes_per_token=bpt, hidden_state_bytes=need, free_bytes=free)
+    p.numbers["disk_need.extract"] = need  # named in a disk-full error, should it come
     bound = "" if tokens else " (upper bound: num_samples x max_seq_len)"
     p.add(
         "hidden states",

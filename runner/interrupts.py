@@ -1,0 +1,86 @@
+"""SIGINT and SIGTERM end a run cleanly, at any point (`Interrupted` extends BaseException, as
+KeyboardInterrupt does).
+
+    with stop_on_signals():
+        ...                  # the job: a signal raises Interrupted here, in the main thread
+
+`Interrupted` is a BaseException (as KeyboardInterrupt is), so no `except Exception` swallows it:
+it unwinds through the stage, whose partial output the artifact store removes (a resumable
+stage's work folder is kept), through every ManagedProcess block (servers and ranks stop), to
+the job, which marks the MLflow run KILLED, and to the entry point, which prints one line (what
+was interrupted, how to resume) and exits 128 + the signal (130 for Ctrl-C, 143 for SIGTERM).
+After the first signal, a second SIGINT or SIGTERM exits at once (`os._exit`); the kernel then
+stops the children the runner started (runner/reaper.py).
+
+Stages that stop on their own terms (training saves a checkpoint at the next step boundary)
+install their own handlers while they run and raise `Interrupted` once stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+log = logging.getLogger("runner")
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """The run was stopped by a signal; `exit_code` is the conventional 128 + signal number."""
+
+    def __init__(self, signum: int, detail: str = ""):
+        self.signum = signum
+        self.detail = detail
+        # Set by the pipeline: the stage that was running when the signal came.
+        self.stage: str | None = None
+        super().__init__(detail or signal.Signals(signum).name)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+def as_interrupted(exc: BaseException) -> Interrupted | None:
+    """A KeyboardInterrupt (Ctrl-C raised by Python's own handler) counts as SIGINT."""
+    if isinstance(exc, Interrupted):
+        return exc
+    if isinstance(exc, KeyboardInterrupt):
+        return Interrupted(signal.SIGINT)
+    return None
+
+
+def _force_exit(signum: int, _frame: Any) -> None:
+    sys.stderr.write(f"\n{signal.Signals(signum).name} again: exiting now\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+def _raise(signum: int, _frame: Any) -> None:
+    # The first signal: from now on a second one forces the exit.
+    for sig in SIGNALS:
+        signal.signal(sig, _force_exit)
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within the block (main thread only), SIGINT and SIGTERM raise Interrupted."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

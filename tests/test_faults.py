@@ -1,0 +1,272 @@
+"""Fault injection (`-m faults`, part of `make test-slow`): signals, damaged artifacts, concurrent
+first runs, a full disk, a tracking store that fails at the end, and children of a runner killed
+outright. Every run is a real `python -m runner` process on the tiny target, bounded in time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.errors import StageError
+from runner.job import run_job
+from runner.sweep import PARENT_ENV
+from tests.conftest import CONVERSATIONS, REPO, compose, tiny_overrides
+
+pytestmark = pytest.mark.faults
+CAPTURE = "model.capture_layers=[1,2,3]"
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in (PARENT_ENV, "MLFLOW_TRACKING_URI")}
+
+
+def _cmd(model_dir: Path, data: Path, root: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "runner", *tiny_overrides(model_dir, data, root, CAPTURE, *extra)]
+
+
+def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def _signal_at(cmd: list[str], trigger: str, sig: int, timeout: float = 300) -> tuple[int, str]:
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines, sent, deadline = [], False, time.time() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if not sent and trigger in line:
+            proc.send_signal(sig)
+            sent = True
+        assert time.time() < deadline, "".join(lines[-30:])
+    code = proc.wait(timeout=60)
+    assert sent, f"never saw {trigger!r}:\n" + "".join(lines[-30:])
+    return code, "".join(lines)
+
+
+def _statuses(root: Path) -> list[str]:
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("eagle3")
+    return [r.info.status for r in client.search_runs([exp.experiment_id], order_by=["start_time"])]
+
+
+def _leftovers(root: Path) -> list[Path]:
+    """Anything half-written or locked that a run should not leave behind."""
+    store = root / "store"
+    found = list(store.glob("*/.tmp-*")) + list(store.glob("*/.old-*"))
+    found += list((store / ".locks").glob("*")) if (store / ".locks").exists() else []
+    return found
+
+
+@pytest.fixture(scope="module")
+def many_chats(tmp_path_factory) -> Path:
+    """600 rows: extraction on the tiny target then lasts long enough to be interrupted."""
+    path = tmp_path_factory.mktemp("faults_data") / "chats.jsonl"
+    with open(path, "w") as fh:
+        for i in range(600):
+            conv = [dict(t, content=f"{t['content']} ({i})") for t in CONVERSATIONS[i % 3]]
+            fh.write(json.dumps({"messages": conv}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "sig,code,stage,trigger",
+    [
+        (signal.SIGTERM, 143, "extract", "[extract] running"),
+        (signal.SIGINT, 130, "extract", "[extract] running"),
+        (signal.SIGTERM, 143, "train", "'global_step': 3"),
+        (signal.SIGINT, 130, "train", "'global_step': 3"),
+    ],
+)
+def test_a_signal_ends_the_run_cleanly_and_the_same_command_continues(
+    tiny_model_dir, many_chats, tmp_path, sig, code, stage, trigger
+):
+    cmd = _cmd(tiny_model_dir, many_chats, tmp_path, "data.num_samples=600",
+               "hardware.extract_batch_size=1", "train.max_steps=30")  # fmt: skip
+    got, out = _signal_at(cmd, trigger, sig)
+    assert got == code, out[-3000:]
+    name = signal.Signals(sig).name
+    assert f"interrupted by {name} during stage '{stage}'" in out, out[-3000:]
+    assert "Traceback" not in out
+    assert _statuses(tmp_path) == ["KILLED"]
+    assert _leftovers(tmp_path) == []
+    scratch = list((tmp_path / "scratch").glob("*")) if (tmp_path / "scratch").exists() else []
+    # Only training keeps a work folder: its checkpoints are what the next run resumes from.
+    assert all(p.name.startswith("train-") for p in scratch), scratch
+    again = _run(cmd)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert _statuses(tmp_path) == ["KILLED", "FINISHED"]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, chats_jsonl, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("trained")
+    proc = _run(_cmd(tiny_model_dir, chats_jsonl, root))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root
+
+
+def _flip(path: Path, keep_mtime: bool) -> None:
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = bytes(b ^ 0xFF for b in data[middle : middle + 4096])
+    path.write_bytes(bytes(data))
+    if keep_mtime:  # damage that a size and modification-time check cannot see
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_truncated_hidden_state_file_is_named_set_aside_and_recomputed(
+    trained, tiny_model_dir, chats_jsonl
+):
+    (extract,) = (p for p in (trained / "store" / "extract").iterdir() if p.is_dir())
+    victim = sorted((extract / "hidden_states").glob("hs_*.safetensors"))[-1]
+    victim.write_bytes(victim.read_bytes()[:1000])
+    stop = _run(_cmd(tiny_model_dir, chats_jsonl, trained, "train.lr=7e-4",
+                     "run.on_damaged=stop"))  # fmt: skip
+    assert stop.returncode == 1
+    assert f"hidden_states/{victim.name} is 1000 bytes" in stop.stderr, stop.stderr[-2000:]
+    proc = _run(_cmd(tiny_model_dir, chats_jsonl, trained, "train.lr=7e-4"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert f"hidden_states/{victim.name} is 1000 bytes" in out and "computing it again" in out
+    assert list((trained / "store" / "extract").glob(".damaged-*"))
+    assert (extract / "hidden_states" / victim.name).stat().st_size > 1000  # recomputed
+
+
+def test_a_corrupted_draft_is_never_served(trained, tiny_model_dir, chats_jsonl, tmp_path):
+    (train,) = (p for p in (trained / "store" / "train").iterdir()  # the default lr's draft
+                if p.is_dir() and json.loads((p / "manifest.json").read_text())["config"]["lr"]
+                != 7e-4)  # fmt: skip
+    _flip(train / "draft" / "model.safetensors", keep_mtime=True)
+    base = tiny_overrides(tiny_model_dir, chats_jsonl, trained, CAPTURE)
+    # The cheap check passes (same size and time); serving checks every byte of the draft.
+    with pytest.raises(StageError) as info:
+        run_job(compose([*base, "run.stages=[evaluate]"]))
+    assert "draft/model.safetensors does not match the sha256" in str(info.value)
+    # run.verify=full finds it while planning; run.on_damaged=stop names it and stops.
+    with pytest.raises(StageError) as info:
+        run_job(compose([*base, "run.verify=full", "run.on_damaged=stop"]))
+    assert "draft/model.safetensors" in str(info.value) and "run.on_damaged" in str(info.value)
+
+
+def test_two_first_runs_on_a_fresh_root_both_succeed(tiny_model_dir, chats_jsonl, tmp_path):
+    cmd = _cmd(tiny_model_dir, chats_jsonl, tmp_path, "run.stages=[prepare]")
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert sorted(_statuses(tmp_path)) == ["FINISHED", "FINISHED"]  # the store is healthy
+    computed = sum("prepare   computed" in o for o in outs)
+    assert computed == 1, outs  # one computed it, the other found it finished
+    assert _run(cmd).returncode == 0  # and stays usable
+
+
+def _mount_tmpfs(where: Path, size: str) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True).returncode == 0  # fmt: skip
+
+
+def test_a_full_disk_is_one_clear_line_and_the_rerun_continues(
+    tiny_model_dir, chats_jsonl, tmp_path
+):
+    store = tmp_path / "store"
+    if not _mount_tmpfs(store, "400k"):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        cmd = _cmd(tiny_model_dir, chats_jsonl, tmp_path)
+        full = _run(cmd)
+        assert full.returncode == 1
+        line = next(x for x in full.stderr.splitlines() if x.startswith("stage error:"))
+        assert "disk full: stage 'extract' could not write" in line and "free on" in line
+        assert "the plan estimated" in line and "run.output_root" in line
+        assert "Traceback" not in full.stderr
+        assert _leftovers(tmp_path) == []
+        # Free space (a bigger filesystem, same files) and run the same command.
+        subprocess.run(["mount", "-o", "remount,size=64m", str(store)], check=True)
+        again = _run(cmd)
+        assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+        assert "prepare   cached" in again.stdout
+    finally:
+        subprocess.run(["umount", "-l", str(store)], capture_output=True)
+
+
+def test_a_store_that_fails_at_the_end_keeps_the_stage_error_and_is_reconciled(
+    tiny_model_dir, chats_jsonl, tmp_path
+):
+    args = [*tiny_overrides(tiny_model_dir, chats_jsonl, tmp_path, CAPTURE),
+            "+train.extra_args.data_path=/nonexistent/dataset"]  # fmt: skip
+    # The runner, with MLflow's end of run failing as a locked SQLite store makes it fail.
+    script = textwrap.dedent(f"""
+        import sqlite3, sys
+        import mlflow
+        def locked(self, run_id, status="FINISHED", end_time=None):
+            raise sqlite3.OperationalError("database is locked")
+        mlflow.MlflowClient.set_terminated = locked
+        sys.argv = ["runner", *{args!r}]
+        import runpy
+        runpy.run_module("runner", run_name="__main__", alter_sys=True)  # python -m runner
+    """)
+    proc = _run([sys.executable, "-c", script])
+    assert proc.returncode == 1, proc.stderr[-3000:]  # the stage's own error and exit code
+    assert "stage error: stage 'train' failed" in proc.stderr
+    assert "could not mark MLflow run" in proc.stdout + proc.stderr
+    assert str(tmp_path / "mlflow.db") in proc.stdout + proc.stderr
+    assert _statuses(tmp_path) == ["RUNNING"]
+    run_job(compose(tiny_overrides(tiny_model_dir, chats_jsonl, tmp_path, CAPTURE)))
+    assert _statuses(tmp_path) == ["FAILED", "FINISHED"]  # reconciled by the next run
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("eagle3")
+    first = client.search_runs([exp.experiment_id], order_by=["start_time"])[0]
+    assert "ended without closing this run" in first.data.tags["runner.note"]
+
+
+def test_what_a_runner_started_dies_at_once_when_it_is_killed(tmp_path):
+    # A "runner" that starts a child which starts a grandchild (as vLLM's server starts its
+    # engine), then waits; killed with -9, nothing of its tree may survive.
+    marker = tmp_path / "grandchild.pid"
+    script = textwrap.dedent(f"""
+        import subprocess, sys, time
+        from pathlib import Path
+        from runner.process import ManagedProcess
+        child = [sys.executable, "-c",
+                 "import subprocess, sys, time; "
+                 "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+                 "open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(600)"]
+        with ManagedProcess(child, {{}}, Path({str(tmp_path / "child.log")!r}), label="child"):
+            time.sleep(600)
+    """)
+    runner = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=_env())
+    deadline = time.time() + 60
+    while not marker.exists() or not marker.read_text():
+        assert time.time() < deadline
+        time.sleep(0.1)
+    time.sleep(1.0)  # the reaper polls the tree every 0.5 s
+    grandchild = int(marker.read_text())
+    runner.send_signal(signal.SIGKILL)
+    runner.wait()
+    t0 = time.time()
+    while Path(f"/proc/{grandchild}").exists() and "Z" not in _state(grandchild):
+        assert time.time() - t0 < 2.0, "the grandchild outlived the runner"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
