@@ -224,11 +224,24 @@ class ArtifactStore:
         return None
 
     def remove_dead_temps(self) -> list[Path]:
-        """Remove what killed runs of this host left half-written (their pid names them)."""
+        """Remove what killed runs of this host left half-written (their pid names them), and
+        lock files nobody holds (a run killed with -9 leaves its lock file behind)."""
         removed = dead_temps(self.root) if self.root.is_dir() else []
         for folder in removed:
             shutil.rmtree(folder, ignore_errors=True)
             log.info("removed %s, left half-written by a process that no longer runs", folder)
+        for path in sorted((self.root / ".locks").glob("*.lock")):
+            lock = FileLock(str(path))
+            try:
+                lock.acquire(timeout=0)
+            except (Timeout, OSError):
+                continue  # held: another job is computing that artifact
+            try:
+                with contextlib.suppress(OSError):
+                    path.unlink()  # while held, as in lock(): a waiter opens a fresh file
+                removed.append(path)
+            finally:
+                lock.release()
         return removed
 
     def set_aside(self, art: Artifact) -> Path:

@@ -120,8 +120,12 @@ def test_only_temporary_folders_of_dead_processes_are_removed(tmp_path):
     other_host = stage / f".tmp-abc125-elsewhere-{dead.pid}"
     for folder in (gone, mine, other_host):
         folder.mkdir(parents=True)
-    assert store.remove_dead_temps() == [gone]
+    stale_lock = tmp_path / "store" / ".locks" / "extract-abc123.lock"  # a kill -9 leaves it
+    stale_lock.parent.mkdir()
+    stale_lock.touch()
+    assert store.remove_dead_temps() == [gone, stale_lock]
     assert not gone.exists() and mine.exists() and other_host.exists()
+    assert not stale_lock.exists()
 
 
 def test_gc_lists_by_default_and_removes_on_request(tmp_path, capsys):

