@@ -73,6 +73,14 @@ class OnDamaged(StrEnum):
     stop = "stop"
 
 
+class Storage(StrEnum):
+    # The target's dtype as it computes (hardware.dtype, bfloat16 by default): 2 bytes a value.
+    bf16 = "bf16"
+    # float8_e4m3fn with one fp32 scale per token (hs-connectors' format, which speculators'
+    # fp8 backend reads): about half the bytes.
+    fp8 = "fp8"
+
+
 class OnBadRow(StrEnum):
     fail = "fail"
     skip = "skip"
@@ -299,6 +307,10 @@ class ExtractConfig:
     # vllm: a vLLM server the runner starts (extract_hidden_states method + hidden-states
     # connector), driven by speculators' data-generation client (targets only an engine can hold).
     backend: ExtractBackend = ExtractBackend.transformers
+    # How hidden states are stored: bf16 (the target's dtype) or fp8 (per-token scaled e4m3,
+    # read by speculators' fp8 backend with no conversion step). Statistics come from the
+    # full-precision values either way.
+    storage: Storage = Storage.bf16
     # vLLM backend: requests in flight, seconds per request, and retries per sample before the
     # stage fails naming it.
     concurrency: int = 8

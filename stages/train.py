@@ -158,8 +158,12 @@ def speculators_argv(
     if t.max_steps is not None:
         argv += ["--max-steps", str(t.max_steps)]
     if facts.train_slots != tuple(range(len(facts.extract_ids))):
-        # The files hold a sweep's superset of layers; read only this job's slots.
+        # The files hold a sweep's superset of layers; read only this job's slots (fp8 files are
+        # dequantized by the same reader).
         argv += ["--hidden-states-backend", SLOT_BACKEND]
+    elif cfg.extract.storage == "fp8":
+        # speculators' own fp8 reader (hs-connectors' FP8Transfer): no conversion step.
+        argv += ["--hidden-states-backend", "fp8"]
     if cfg.model.trust_remote_code:
         argv += ["--trust-remote-code"]
     return argv + extra_flags(t.extra_args) + (extra or [])

@@ -226,3 +226,32 @@ def test_extraction_self_test_passed_and_catches_a_wrong_final_slot(
     with pytest.raises(RuntimeError, match="self-test"):
         backend.self_test(rows[0]["input_ids"])
     backend.close()
+
+
+def test_fp8_storage_halves_the_files_and_trains_with_no_conversion(
+    first_run, tiny_model_dir, chats_jsonl, tmp_path
+):
+    from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor
+
+    _, bf16, _ = first_run
+    fp8 = run_job(compose(tiny(tiny_model_dir, chats_jsonl, tmp_path, "extract.storage=fp8")))
+    e16, e8 = bf16.results["extract"], fp8.results["extract"]
+    assert e8.key != e16.key  # the storage is part of the extraction key
+    f16 = load_file(str(e16.path / "hidden_states" / "hs_0.safetensors"))
+    f8 = load_file(str(e8.path / "hidden_states" / "hs_0.safetensors"))
+    assert f8["hidden_states"].dtype == torch.float8_e4m3fn and f8[SCALES_KEY].shape[1:] == (1, 1)
+    torch.testing.assert_close(  # hs-connectors' reader gives back the states, to fp8 precision
+        dequantize_fp8_tensor(f8["hidden_states"], f8[SCALES_KEY]).float(),
+        f16["hidden_states"].float(), atol=0.1, rtol=0.07,
+    )  # fmt: skip
+    # 4 slots x 64 values: 512 + 8 bytes a token in bf16, 256 + 12 in fp8 (headers aside).
+    ratio = e8.metrics["bytes_per_token"] / e16.metrics["bytes_per_token"]
+    assert 0.45 < ratio < 0.62, ratio
+    # Statistics come from the full-precision values: identical to the bf16 run's.
+    stats = [json.loads((e.path / "layer_stats.json").read_text()) for e in (e16, e8)]
+    assert stats[0] == stats[1]
+    # speculators' fp8 backend trains on the files as they are, to nearly the same losses.
+    t16, t8 = bf16.results["train"].metrics, fp8.results["train"].metrics
+    assert "fp8" in fp8.results["train"].path.joinpath("manifest.json").read_text()
+    assert t8["steps"] == t16["steps"]
+    assert t8["final_loss"] == pytest.approx(t16["final_loss"], rel=0.1)

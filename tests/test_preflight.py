@@ -250,3 +250,31 @@ def test_the_filesystem_of_the_output_root_is_read_from_the_mounts(tmp_path):
     kind = filesystem_of(tmp_path / "not" / "yet" / "there")
     assert kind != "unknown" and kind == filesystem_of(tmp_path)
     assert "ext4" in LOCAL_FILESYSTEMS and "nfs4" not in LOCAL_FILESYSTEMS
+
+
+@pytest.mark.parametrize(
+    "free_tib,storage,key",
+    [(40, "bf16", "extract.storage"), (40, "fp8", None), (10, "fp8", "data.num_samples")],
+)
+def test_kimi_at_300k_samples_plans_terabytes_and_refuses_what_the_disk_cannot_hold(
+    tmp_path, monkeypatch, free_tib, storage, key
+):
+    import stages.extract
+
+    monkeypatch.setattr(stages.extract, "free_bytes", lambda _path: free_tib * 2**40)
+    over = ["data.num_samples=300000", "data.max_seq_len=4096", f"extract.storage={storage}"]
+    if key is None:
+        p = plan(tmp_path, *over).plan
+        assert not p.errors
+    else:
+        with pytest.raises(ConfigError) as info:
+            plan(tmp_path, *over)
+        assert info.value.key == key
+        return
+    tokens = 300_000 * 4096
+    n = p.numbers
+    assert n["bytes_per_token"] == 4 * 7168 + 4 + 8  # fp8 values, an fp32 scale, the token id
+    assert n["bytes_per_token_bf16"] == 4 * 7168 * 2 + 8
+    assert n["hidden_state_bytes"] == tokens * (4 * 7168 + 12)  # 32.1 TiB; bf16 would be 64.1
+    assert "fp8: 28.0 KiB/token" in p.render() and "32.1 TiB" in p.render()
+    assert "bf16: 56.0 KiB/token, 64.1 TiB" in p.render()

@@ -179,6 +179,25 @@ def test_vllm_extraction_resumes_and_redoes_unreadable_files(runs, root):
     assert not scratch.exists(), "the resume folder is removed once the artifact is published"
 
 
+def test_vllm_extraction_can_store_fp8_from_full_precision_values(runs, root):
+    from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor
+
+    result = run_job(
+        compose([*REDUCED, "data.num_samples=16", "extract=vllm", "extract.storage=fp8",
+                 f"run.output_root={root}", "run.stages=[prepare,extract]", "run.name=fp8"])
+    )  # fmt: skip
+    got = load_file(str(result.results["extract"].path / "hidden_states" / "hs_0.safetensors"))
+    ref = load_file(
+        str(runs["vllm"].results["extract"].path / "hidden_states" / "hs_0.safetensors")
+    )
+    assert got["hidden_states"].dtype == torch.float8_e4m3fn and SCALES_KEY in got
+    assert torch.equal(got["token_ids"], ref["token_ids"])  # the same first row
+    back = dequantize_fp8_tensor(got["hidden_states"], got[SCALES_KEY]).float()
+    torch.testing.assert_close(back, ref["hidden_states"].float(), atol=0.5, rtol=0.07)
+    m = result.results["extract"].metrics
+    assert m["bytes_per_token"] < 0.6 * runs["vllm"].results["extract"].metrics["bytes_per_token"]
+
+
 def test_a_request_that_keeps_failing_names_the_sample_and_leaves_no_server(root):
     overrides = [
         "extract=vllm",

@@ -5,7 +5,7 @@ A sweep over capture layers extracts once, capturing the union of the sweep's la
 final layer); each job trains on its own. speculators reads every slot of a file
 (`hidden_states[:, :-1]` as the draft's input), so the selection happens in the transfer
 object, which is pickled into DataLoader workers (so its class lives at module level here).
-Private APIs touched: `hs_connectors.transfer.FileBackend`, `FileTransfer.get_cached`,
+Private APIs touched: `hs_connectors.transfer.FileBackend`, `FP8Transfer.get_cached`,
 `HiddenStatesBackend.registry`. Imported by `runner.integrations.speculators.
 register_slot_backend` only when a run needs it: hs-connectors imports torch.
 """
@@ -17,13 +17,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hs_connectors import FileTransfer, HiddenStatesBackend
+from hs_connectors import FP8Transfer, HiddenStatesBackend
 from hs_connectors.transfer import FileBackend
 
 from runner.integrations.speculators import SLOT_BACKEND, SLOTS_ENV
 
 
-class SlotTransfer(FileTransfer):
+class SlotTransfer(FP8Transfer):
+    """FP8Transfer dequantizes fp8 files and passes others through unchanged, so one reader
+    serves both storages (extract.storage)."""
+
     def __init__(self, hidden_states_path: Path, slots: list[int]):
         super().__init__(hidden_states_path)
         self.slots = slots
@@ -37,7 +40,7 @@ class SlotTransfer(FileTransfer):
 
 class SlotBackend(FileBackend):
     @staticmethod
-    def from_train_args(args: argparse.Namespace, data_path: str) -> FileTransfer:
+    def from_train_args(args: argparse.Namespace, data_path: str) -> FP8Transfer:
         slots = [int(s) for s in os.environ[SLOTS_ENV].split(",")]
         base = args.hidden_states_path or Path(data_path) / "hidden_states"
         return SlotTransfer(Path(base), slots)

@@ -41,6 +41,7 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         "capture_ids": list(facts.extract_ids),
         "dtype": cfg.hardware.dtype,
         "backend": cfg.extract.backend,
+        "storage": cfg.extract.storage,
         # The vLLM backend's states depend on the engine and on speculators' client as well.
         **(
             {"engines": versions({"vllm": VLLM_DISTS, "speculators": ("speculators",)})}
@@ -117,14 +118,28 @@ class LayerStats:
         return out
 
 
-def write_sample(path: Path, hidden_states: Any, token_ids: Any) -> None:
+def write_sample(path: Path, hidden_states: Any, token_ids: Any, storage: str = "bf16") -> None:
+    """One sample's file. fp8: hs-connectors' own quantizer and layout (`hidden_states` e4m3 and
+    `hidden_states_scales` [seq, 1, 1] fp32), which speculators' fp8 backend dequantizes on
+    load."""
     from safetensors.torch import save_file  # imports torch: only when a stage writes states
 
+    tensors = {"hidden_states": hidden_states.contiguous(), "token_ids": token_ids.contiguous()}
+    if storage == "fp8":
+        from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+
+        fp8, scales = quantize_tensor_to_fp8(tensors["hidden_states"])
+        tensors.update({"hidden_states": fp8, SCALES_KEY: scales})
     tmp = path.with_suffix(".tmp")
-    save_file(
-        {"hidden_states": hidden_states.contiguous(), "token_ids": token_ids.contiguous()}, str(tmp)
-    )
+    save_file(tensors, str(tmp))
     tmp.rename(path)
+
+
+def bytes_per_token(slots: int, hidden: int, storage: str, dtype: str) -> int:
+    """Bytes one token takes on disk: the states, plus the token id (and fp8's scale)."""
+    if storage == "fp8":
+        return slots * hidden + 4 + _FILE_OVERHEAD_PER_TOKEN
+    return slots * hidden * DTYPE_BYTES[dtype] + _FILE_OVERHEAD_PER_TOKEN
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -176,26 +191,46 @@ def plan(p: Plan, view: PlanView) -> None:
         hooks = [f"{w}:{i}" for w, i in (hook_point(k, facts.num_layers) for k in ext)]
         p.add("transformers hooks", ", ".join(hooks))
     # Hidden states on disk: the prepared token count if prepare is cached, else an upper bound.
-    bpt = len(ext) * facts.hidden_size * DTYPE_BYTES[cfg.hardware.dtype] + _FILE_OVERHEAD_PER_TOKEN
+    storage, other = cfg.extract.storage, "bf16" if cfg.extract.storage == "fp8" else "fp8"
+    bpt = bytes_per_token(len(ext), facts.hidden_size, storage, cfg.hardware.dtype)
+    bpt_other = bytes_per_token(len(ext), facts.hidden_size, other, cfg.hardware.dtype)
     prepared = view.cached_metrics("prepare")
     tokens = int(prepared["tokens"]) if prepared else None
     tokens_est = tokens or cfg.data.num_samples * cfg.data.max_seq_len
-    need, free = bpt * tokens_est, free_bytes(view.output_root)
-    p.numbers.update(bytes_per_token=bpt, hidden_state_bytes=need, free_bytes=free)
+    stored, free = bpt * tokens_est, free_bytes(view.output_root)
+    need = stored
+    if storage == "fp8" and cfg.extract.backend == "vllm":
+        # vLLM's connector writes the target's dtype; the stage quantizes once the statistics
+        # have read every file, so the disk must hold the bf16 files first.
+        need = bpt_other * tokens_est
+        p.add("fp8 with vLLM", "written in bf16, quantized at the end: the peak is the bf16 size")
+    p.numbers.update(bytes_per_token=bpt, hidden_state_bytes=stored, free_bytes=free,
+                     **{f"bytes_per_token_{other}": bpt_other})  # fmt: skip
     p.numbers["disk_need.extract"] = need  # named in a disk-full error, should it come
     bound = "" if tokens else " (upper bound: num_samples x max_seq_len)"
     p.add(
         "hidden states",
-        f"{fmt_bytes(bpt)}/token x {tokens_est:,} tokens{bound} = {fmt_bytes(need)}; "
-        f"free at {view.output_root}: {fmt_bytes(free)}",
+        f"{storage}: {fmt_bytes(bpt)}/token x {tokens_est:,} tokens{bound} = {fmt_bytes(stored)} "
+        f"({other}: {fmt_bytes(bpt_other)}/token, {fmt_bytes(bpt_other * tokens_est)}); free at "
+        f"{view.output_root}: {fmt_bytes(free)}",
     )
     if view.actions.get("extract") != "run":
         return
     if need > free:
+        fits_other = bpt_other * tokens_est <= free
+        key = "extract.storage" if fits_other and storage == "bf16" else "data.num_samples"
+        hint = (
+            "extract.storage=fp8 would fit"
+            if key == "extract.storage"
+            else "lower data.num_samples / data.max_seq_len"
+            + (", use extract.storage=fp8," if storage == "bf16" else "")
+            + " or move run.output_root"
+        )
         p.error(
-            "data.num_samples",
-            f"extraction needs {fmt_bytes(need)} but {view.output_root} has {fmt_bytes(free)} "
-            "free; lower data.num_samples / data.max_seq_len or move run.output_root",
+            key,
+            f"extraction needs {fmt_bytes(need)} ({storage}"
+            f"{', written as bf16 first' if need != stored else ''}) but {view.output_root} has "
+            f"{fmt_bytes(free)} free; {hint}",
         )
     elif need > 0.8 * free:
         p.warn("run.output_root", f"extraction will fill {need / free:.0%} of the free disk")

@@ -190,6 +190,7 @@ def extract_to_files(
     stats: LayerStats | None = None,
     writers: int = 8,
     progress: bool = True,
+    storage: str = "bf16",
 ) -> dict[str, float]:
     """Run `backend` over `rows` (token id tensors), writing hs_{i}.safetensors for row i.
 
@@ -215,7 +216,9 @@ def extract_to_files(
     ):
         for idx, lens, host, release in backend.iter_batches(rows, order, stats):
             futures = [
-                pool.submit(write_sample, out_dir / f"hs_{i}.safetensors", host[r, :n], rows[i])
+                pool.submit(
+                    write_sample, out_dir / f"hs_{i}.safetensors", host[r, :n], rows[i], storage
+                )
                 for r, (i, n) in enumerate(zip(idx, lens, strict=True))
             ]
             in_flight.append((futures, release))
@@ -239,7 +242,8 @@ def extract(
     selftest = backend.self_test(rows[shortest])
     log.info("extract self-test passed: %s", selftest)
     try:
-        timing = extract_to_files(backend, rows, out_dir, stats)
+        # Statistics are taken from the full-precision batch; the files may be fp8.
+        timing = extract_to_files(backend, rows, out_dir, stats, storage=ctx.cfg.extract.storage)
     finally:
         backend.close()
     return {**timing, "model_load_s": load_s, **selftest}

@@ -41,7 +41,7 @@ from runner.schema import RunnerConfig
 from runner.stage import StageContext
 from runner.target_facts import ModelFacts
 from runner.vllm_server import VllmServer, engine_args, quiet_http_logs
-from stages.extract import LayerStats
+from stages.extract import LayerStats, write_sample
 
 log = logging.getLogger("runner")
 CPU_CONNECTOR_MODULE = "runner.integrations.vllm_cpu_connector"
@@ -213,8 +213,14 @@ def extract(
                 f"{len(facts.extract_ids)} slots in {cfg.hardware.dtype}"
             )
         stats.update_batch(hs[None], [hs.shape[0]])
-    for i in range(len(rows)):
-        shutil.move(done_dir / f"hs_{i}.safetensors", out_dir / f"hs_{i}.safetensors")
+    fp8 = cfg.extract.storage == "fp8"
+    for i, ids in enumerate(rows):
+        src, dst = done_dir / f"hs_{i}.safetensors", out_dir / f"hs_{i}.safetensors"
+        if fp8:  # quantized after the statistics above saw the full-precision values
+            write_sample(dst, load_file(str(src))["hidden_states"], ids, "fp8")
+            src.unlink()
+        else:
+            shutil.move(src, dst)
     shutil.copytree(log_path.parent, ctx.out / "logs")
     # Throughput over the rows the main pass computed (not sample 0's probe, not resumed files).
     fresh = sum(len(r) for i, r in enumerate(rows) if i > 0 and f"hs_{i}.safetensors" not in before)
