@@ -4,6 +4,7 @@
 # --have scripts/targets/h200.txt). Results go to $OUT (default ./gpu_results) as JSON lines.
 #   bash benchmarks/h200_train.sh part1   # install, synthetic Kimi store, 1 GPU, direct
 #   bash benchmarks/h200_train.sh part2   # 2 GPUs DDP, kill -9 of one rank and resume
+#   bash benchmarks/h200_train.sh part3   # fp8 hidden-state storage against bf16, 1 GPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}; mkdir -p "$OUT"
@@ -40,5 +41,16 @@ part2)
   bench train "${ARGS[@]}" > "$OUT/resumed.log" 2>&1
   tail -1 "$OUT/resumed.log" | tee -a "$OUT/results.jsonl"
   grep -h '"resumes"\|steps_redone' /tmp/bench/out/store/train/*/manifest.json | head -4
+  ;;
+part3)  # fp8 hidden-state storage against bf16, Kimi shape, 1 GPU, one after the other
+  [ -d $ROOT/out/store ] || bench setup --rows 512 --files 16 2>&1 | tail -2
+  bench setup --rows 512 --files 16 extract.storage=fp8 2>&1 | tail -2
+  for d in $ROOT/out/store/extract/*/; do
+    echo "$(du -sh "$d/hidden_states" | cut -f1) $(grep -o '"storage": "[a-z0-9]*"' "$d/manifest.json")"
+  done | tee "$OUT/storage_sizes.txt"
+  for st in bf16 fp8; do
+    bench train --gpus 1 --steps "$STEPS" "${MEM[@]}" extract.storage=$st > "$OUT/train_$st.log" 2>&1
+    echo "{\"storage\": \"$st\", \"result\": $(tail -1 "$OUT/train_$st.log")}" | tee -a "$OUT/results.jsonl"
+  done
   ;;
 esac

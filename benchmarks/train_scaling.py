@@ -65,6 +65,7 @@ def setup(args: argparse.Namespace) -> None:
     from runner.schema import typed
     from runner.store import ArtifactStore
     from runner.target_facts import resolve_target
+    from stages.extract import write_sample
     from tests.conftest import compose
 
     s, root = SHAPES[args.shape], Path(args.root)
@@ -92,7 +93,7 @@ def setup(args: argparse.Namespace) -> None:
     weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
     save_file(weights, str(target / "model.safetensors"))
     (root / "rows.jsonl").write_text('{"messages": []}\n')  # the data source named in the config
-    cfg = typed(compose(overrides(root, args.shape, [])))
+    cfg = typed(compose(overrides(root, args.shape, list(args.overrides))))
     facts = resolve_target(cfg, Path(cfg.run.output_root)).facts
     store = ArtifactStore(Path(cfg.run.output_root))
     planned = {p.name: p for p in Pipeline(cfg, facts, store).plan()}
@@ -128,10 +129,10 @@ def setup(args: argparse.Namespace) -> None:
         out = tmp / "hidden_states"
         out.mkdir()
         for i in range(rows):
-            if i < files:
+            if i < files:  # in the configured storage (extract.storage), as extract writes
                 hs = (torch.randn(n, slots, s["hidden"], generator=g) * 0.5).to(torch.bfloat16)
-                save_file({"hidden_states": hs, "token_ids": ds[i]["input_ids"]},
-                          str(out / f"hs_{i}.safetensors"))  # fmt: skip
+                write_sample(out / f"hs_{i}.safetensors", hs, ds[i]["input_ids"],
+                             cfg.extract.storage)  # fmt: skip
             else:  # the same states again: token ids must match, so rows repeat too
                 os.link(out / f"hs_{i % files}.safetensors", out / f"hs_{i}.safetensors")
         (tmp / "capture_ids.json").write_text(json.dumps(list(facts.extract_ids)))
