@@ -43,12 +43,13 @@ part2)
   grep -h '"resumes"\|steps_redone' /tmp/bench/out/store/train/*/manifest.json | head -4
   ;;
 part3)  # fp8 hidden-state storage against bf16, Kimi shape, 1 GPU, one after the other
-  [ -d $ROOT/out/store ] || bench setup --rows 512 --files 16 2>&1 | tail -2
-  bench setup --rows 512 --files 16 extract.storage=fp8 2>&1 | tail -2
+  for st in ${STORAGES:-bf16 fp8}; do
+    bench setup --rows 512 --files 16 extract.storage=$st 2>&1 | tail -1
+  done
   for d in $ROOT/out/store/extract/*/; do
     echo "$(du -sh "$d/hidden_states" | cut -f1) $(grep -o '"storage": "[a-z0-9]*"' "$d/manifest.json")"
   done | tee "$OUT/storage_sizes.txt"
-  for st in bf16 fp8; do
+  for st in ${STORAGES:-bf16 fp8}; do
     bench train --gpus 1 --steps "$STEPS" "${MEM[@]}" extract.storage=$st > "$OUT/train_$st.log" 2>&1
     echo "{\"storage\": \"$st\", \"result\": $(tail -1 "$OUT/train_$st.log")}" | tee -a "$OUT/results.jsonl"
   done

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -174,7 +175,10 @@ def train(args: argparse.Namespace) -> None:
     if out.returncode:
         sys.exit(out.stdout[-4000:] + out.stderr[-4000:])
     plan = [line for line in out.stdout.splitlines() if "training memory" in line]
-    line = next(x for x in out.stdout.splitlines() if x.strip().startswith("train "))
+    # The summary's stage line ("  train     computed   12.3 s  <path>"), not the plan's.
+    line = next(
+        x for x in out.stdout.splitlines() if re.match(r"\s+train\s+(computed|cached)\s", x)
+    )
     art = Path(line.split()[-1])
     m = json.loads((art / "manifest.json").read_text())
     records = [json.loads(x) for x in (art / "metrics.jsonl").read_text().splitlines()]
