@@ -16,20 +16,26 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
-from tests.conftest import CONVERSATIONS, REPO, make_tiny_llama, tiny_overrides
-from tests.test_faults import CAPTURE, _env, _leftovers, _mount_tmpfs, _signal_at, _statuses
-
-
-def _cmd(model: Path, data: Path, root: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "runner", *tiny_overrides(model, data, root, CAPTURE, *extra)]
-
-
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+from tests.conftest import (
+    CONVERSATIONS,
+    REPO,
+    make_tiny_llama,
+    run_runner,
+    run_until,
+    runner_env,
+    tiny_overrides,
+)
+from tests.test_faults import (
+    CAPTURE,
+    _cmd,
+    _leftovers,
+    _mount_tmpfs,
+    _statuses,
+    runner_with_failing_end,
+)
 
 
 def _line(text: str, *starts: str) -> str:
@@ -81,24 +87,24 @@ def main() -> int:
     ]:
         root = base / f"{signal.Signals(sig).name}-{stage}"
         cmd = _cmd(model, data, root, *slow)
-        code, out = _signal_at(cmd, trigger, sig)
+        code, out = run_until(cmd, trigger, sig)
         status, left = _statuses(root), _left(root)
         t0 = time.time()
-        again = _run(cmd)
+        again = run_runner(cmd)
         rerun = f"exit {again.returncode} in {time.time() - t0:.0f} s; runs now {_statuses(root)}"
         row(signal.Signals(sig).name, stage, code, _line(out, "interrupted by") if sig !=
             signal.SIGKILL else "(none: killed)", status, left, rerun)  # fmt: skip
 
     root = base / "damaged"
-    assert _run(_cmd(model, data, root)).returncode == 0
+    assert run_runner(_cmd(model, data, root)).returncode == 0
     (extract,) = (p for p in (root / "store" / "extract").iterdir() if p.is_dir())
     victim = sorted((extract / "hidden_states").glob("hs_*.safetensors"))[-1]
     victim.write_bytes(victim.read_bytes()[:1000])
-    stop = _run(_cmd(model, data, root, "train.lr=7e-4", "run.on_damaged=stop"))
+    stop = run_runner(_cmd(model, data, root, "train.lr=7e-4", "run.on_damaged=stop"))
     refused = "(no run: refused in the plan)"
     row("truncated hidden states", "store, between runs", stop.returncode,
         _line(stop.stderr, "stage error"), refused, _left(root), "-")  # fmt: skip
-    again = _run(_cmd(model, data, root, "train.lr=7e-4"))
+    again = run_runner(_cmd(model, data, root, "train.lr=7e-4"))
     row("truncated hidden states", "store, between runs (recompute)", again.returncode,
         _line(again.stdout + again.stderr, "damaged"), _statuses(root)[-1], _left(root),
         "extract recomputed, the damaged copy set aside")  # fmt: skip
@@ -111,27 +117,27 @@ def main() -> int:
     blob[len(blob) // 2 : len(blob) // 2 + 4096] = bytes(4096)
     draft.write_bytes(bytes(blob))
     os.utime(draft, ns=(st.st_atime_ns, st.st_mtime_ns))
-    ev = _run(_cmd(model, data, root, "run.stages=[evaluate]"))
+    ev = run_runner(_cmd(model, data, root, "run.stages=[evaluate]"))
     row("4 KiB of the draft zeroed, size and time kept", "store, before evaluate", ev.returncode,
         _line(ev.stderr, "stage error"), _statuses(root)[-1], _left(root), "-")  # fmt: skip
 
     root = base / "concurrent"
     cmd = _cmd(model, data, root, "run.stages=[prepare]")
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=runner_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
     outs = [p.communicate(timeout=600)[0] for p in procs]
     row("two first runs at once", "fresh output root", [p.returncode for p in procs],
         f"prepare computed {sum('prepare   computed' in o for o in outs)}x",
-        _statuses(root), _left(root), f"third run exit {_run(cmd).returncode}")  # fmt: skip
+        _statuses(root), _left(root), f"third run exit {run_runner(cmd).returncode}")  # fmt: skip
 
     root = base / "full"
     if _mount_tmpfs(root / "store", "400k"):
         try:
             cmd = _cmd(model, data, root)
-            full = _run(cmd)
+            full = run_runner(cmd)
             status, left = _statuses(root), _left(root)
             subprocess.run(["mount", "-o", "remount,size=64m", str(root / "store")], check=True)
-            again = _run(cmd)
+            again = run_runner(cmd)
             row("disk full (400 KiB tmpfs under store/)", "extract writing", full.returncode,
                 _line(full.stderr, "stage error"), status, left,
                 f"after growing it: exit {again.returncode}")  # fmt: skip
@@ -141,17 +147,10 @@ def main() -> int:
     root = base / "locked"
     argv = [*tiny_overrides(model, data, root, CAPTURE),
             "+train.extra_args.data_path=/nonexistent/dataset"]  # fmt: skip
-    script = textwrap.dedent(f"""
-        import sqlite3, sys, runpy, mlflow
-        def locked(self, run_id, status="FINISHED", end_time=None):
-            raise sqlite3.OperationalError("database is locked")
-        mlflow.MlflowClient.set_terminated = locked
-        sys.argv = ["runner", *{argv!r}]
-        runpy.run_module("runner", run_name="__main__", alter_sys=True)
-    """)
-    proc = _run([sys.executable, "-c", script])
+    script = runner_with_failing_end(argv)
+    proc = run_runner([sys.executable, "-c", script])
     status = _statuses(root)
-    again = _run(_cmd(model, data, root))
+    again = run_runner(_cmd(model, data, root))
     row("MLflow store locked when the run ends", "train fails, then end_run", proc.returncode,
         _line(proc.stderr, "stage error") + " / " + _line(proc.stdout + proc.stderr,
         "could not mark"), status, _left(root),

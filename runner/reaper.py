@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from runner.process import children  # stdlib only: the reaper starts in milliseconds
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -28,13 +30,10 @@ def _descendants(pid: int) -> set[int]:
     found: set[int] = set()
     todo = [pid]
     while todo:
-        p = todo.pop()
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{p}/task").iterdir():
-                for child in (task / "children").read_text().split():
-                    if int(child) not in found:
-                        found.add(int(child))
-                        todo.append(int(child))
+        for child in children(todo.pop()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
     return found
 
 

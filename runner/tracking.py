@@ -75,9 +75,11 @@ def process_tags() -> dict[str, str]:
 
 
 def _alive(pid: str | None, started: str | None) -> bool:
+    """Whether the process that owns a run still runs (a reused pid has another start time)."""
     if not pid or not pid.isdigit():
         return True  # not the runner's own run: leave it alone
-    return process_start(int(pid)) == (started or process_start(int(pid))) != ""
+    now = process_start(int(pid))
+    return now != "" and (not started or now == started)
 
 
 @contextlib.contextmanager

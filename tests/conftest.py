@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,36 @@ def compose(overrides: list[str] | None = None):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides or [])
+
+
+def runner_env() -> dict[str, str]:
+    """The environment for a runner subprocess: no sweep parent or tracking URI of the caller."""
+    from runner.sweep import PARENT_ENV
+
+    return {k: v for k, v in os.environ.items() if k not in (PARENT_ENV, "MLFLOW_TRACKING_URI")}
+
+
+def run_runner(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=runner_env(), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def run_until(cmd: list[str], trigger: str, sig: int, timeout: float = 600) -> tuple[int, str]:
+    """Start `cmd`, send `sig` to it once a line contains `trigger`, return (exit code, output)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=runner_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines, sent = [], False
+    deadline = time.time() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if not sent and trigger in line:
+            proc.send_signal(sig)
+            sent = True
+        assert time.time() < deadline, "".join(lines[-30:])
+    code = proc.wait()
+    assert sent, f"never saw {trigger!r}:\n" + "".join(lines[-30:])
+    return code, "".join(lines)
 
 
 def tiny_overrides(

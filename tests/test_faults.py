@@ -17,40 +17,35 @@ import pytest
 
 from runner.errors import StageError
 from runner.job import run_job
-from runner.sweep import PARENT_ENV
-from tests.conftest import CONVERSATIONS, REPO, compose, tiny_overrides
+from tests.conftest import (
+    CONVERSATIONS,
+    REPO,
+    compose,
+    run_runner,
+    run_until,
+    runner_env,
+    tiny_overrides,
+)
 
 pytestmark = pytest.mark.faults
 CAPTURE = "model.capture_layers=[1,2,3]"
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in (PARENT_ENV, "MLFLOW_TRACKING_URI")}
 
 
 def _cmd(model_dir: Path, data: Path, root: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "runner", *tiny_overrides(model_dir, data, root, CAPTURE, *extra)]
 
 
-def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
-
-
-def _signal_at(cmd: list[str], trigger: str, sig: int, timeout: float = 300) -> tuple[int, str]:
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    lines, sent, deadline = [], False, time.time() + timeout
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if not sent and trigger in line:
-            proc.send_signal(sig)
-            sent = True
-        assert time.time() < deadline, "".join(lines[-30:])
-    code = proc.wait(timeout=60)
-    assert sent, f"never saw {trigger!r}:\n" + "".join(lines[-30:])
-    return code, "".join(lines)
+def runner_with_failing_end(argv: list[str]) -> str:
+    """`python -m runner <argv>` as a script in which MLflow cannot end a run ("database is
+    locked" from set_terminated, as a locked SQLite store gives)."""
+    return textwrap.dedent(f"""
+        import sqlite3, sys, runpy, mlflow
+        def locked(self, run_id, status="FINISHED", end_time=None):
+            raise sqlite3.OperationalError("database is locked")
+        mlflow.MlflowClient.set_terminated = locked
+        sys.argv = ["runner", *{argv!r}]
+        runpy.run_module("runner", run_name="__main__", alter_sys=True)  # python -m runner
+    """)
 
 
 def _statuses(root: Path) -> list[str]:
@@ -94,7 +89,7 @@ def test_a_signal_ends_the_run_cleanly_and_the_same_command_continues(
 ):
     cmd = _cmd(tiny_model_dir, many_chats, tmp_path, "data.num_samples=600",
                "hardware.extract_batch_size=1", "train.max_steps=30")  # fmt: skip
-    got, out = _signal_at(cmd, trigger, sig)
+    got, out = run_until(cmd, trigger, sig)
     assert got == code, out[-3000:]
     name = signal.Signals(sig).name
     assert f"interrupted by {name} during stage '{stage}'" in out, out[-3000:]
@@ -104,7 +99,7 @@ def test_a_signal_ends_the_run_cleanly_and_the_same_command_continues(
     scratch = list((tmp_path / "scratch").glob("*")) if (tmp_path / "scratch").exists() else []
     # Only training keeps a work folder: its checkpoints are what the next run resumes from.
     assert all(p.name.startswith("train-") for p in scratch), scratch
-    again = _run(cmd)
+    again = run_runner(cmd)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert _statuses(tmp_path) == ["KILLED", "FINISHED"]
 
@@ -112,7 +107,7 @@ def test_a_signal_ends_the_run_cleanly_and_the_same_command_continues(
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, chats_jsonl, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("trained")
-    proc = _run(_cmd(tiny_model_dir, chats_jsonl, root))
+    proc = run_runner(_cmd(tiny_model_dir, chats_jsonl, root))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root
 
@@ -133,11 +128,11 @@ def test_a_truncated_hidden_state_file_is_named_set_aside_and_recomputed(
     (extract,) = (p for p in (trained / "store" / "extract").iterdir() if p.is_dir())
     victim = sorted((extract / "hidden_states").glob("hs_*.safetensors"))[-1]
     victim.write_bytes(victim.read_bytes()[:1000])
-    stop = _run(_cmd(tiny_model_dir, chats_jsonl, trained, "train.lr=7e-4",
+    stop = run_runner(_cmd(tiny_model_dir, chats_jsonl, trained, "train.lr=7e-4",
                      "run.on_damaged=stop"))  # fmt: skip
     assert stop.returncode == 1
     assert f"hidden_states/{victim.name} is 1000 bytes" in stop.stderr, stop.stderr[-2000:]
-    proc = _run(_cmd(tiny_model_dir, chats_jsonl, trained, "train.lr=7e-4"))
+    proc = run_runner(_cmd(tiny_model_dir, chats_jsonl, trained, "train.lr=7e-4"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert f"hidden_states/{victim.name} is 1000 bytes" in out and "computing it again" in out
@@ -163,14 +158,14 @@ def test_a_corrupted_draft_is_never_served(trained, tiny_model_dir, chats_jsonl,
 
 def test_two_first_runs_on_a_fresh_root_both_succeed(tiny_model_dir, chats_jsonl, tmp_path):
     cmd = _cmd(tiny_model_dir, chats_jsonl, tmp_path, "run.stages=[prepare]")
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=runner_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert sorted(_statuses(tmp_path)) == ["FINISHED", "FINISHED"]  # the store is healthy
     computed = sum("prepare   computed" in o for o in outs)
     assert computed == 1, outs  # one computed it, the other found it finished
-    assert _run(cmd).returncode == 0  # and stays usable
+    assert run_runner(cmd).returncode == 0  # and stays usable
 
 
 def _mount_tmpfs(where: Path, size: str) -> bool:
@@ -187,7 +182,7 @@ def test_a_full_disk_is_one_clear_line_and_the_rerun_continues(
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
         cmd = _cmd(tiny_model_dir, chats_jsonl, tmp_path)
-        full = _run(cmd)
+        full = run_runner(cmd)
         assert full.returncode == 1
         line = next(x for x in full.stderr.splitlines() if x.startswith("stage error:"))
         assert "disk full: stage 'extract' could not write" in line and "free on" in line
@@ -196,7 +191,7 @@ def test_a_full_disk_is_one_clear_line_and_the_rerun_continues(
         assert _leftovers(tmp_path) == []
         # Free space (a bigger filesystem, same files) and run the same command.
         subprocess.run(["mount", "-o", "remount,size=64m", str(store)], check=True)
-        again = _run(cmd)
+        again = run_runner(cmd)
         assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
         assert "prepare   cached" in again.stdout
     finally:
@@ -208,18 +203,8 @@ def test_a_store_that_fails_at_the_end_keeps_the_stage_error_and_is_reconciled(
 ):
     args = [*tiny_overrides(tiny_model_dir, chats_jsonl, tmp_path, CAPTURE),
             "+train.extra_args.data_path=/nonexistent/dataset"]  # fmt: skip
-    # The runner, with MLflow's end of run failing as a locked SQLite store makes it fail.
-    script = textwrap.dedent(f"""
-        import sqlite3, sys
-        import mlflow
-        def locked(self, run_id, status="FINISHED", end_time=None):
-            raise sqlite3.OperationalError("database is locked")
-        mlflow.MlflowClient.set_terminated = locked
-        sys.argv = ["runner", *{args!r}]
-        import runpy
-        runpy.run_module("runner", run_name="__main__", alter_sys=True)  # python -m runner
-    """)
-    proc = _run([sys.executable, "-c", script])
+    script = runner_with_failing_end(args)  # as a locked SQLite store makes it fail
+    proc = run_runner([sys.executable, "-c", script])
     assert proc.returncode == 1, proc.stderr[-3000:]  # the stage's own error and exit code
     assert "stage error: stage 'train' failed" in proc.stderr
     assert "could not mark MLflow run" in proc.stdout + proc.stderr
@@ -250,7 +235,7 @@ def test_what_a_runner_started_dies_at_once_when_it_is_killed(tmp_path):
         with ManagedProcess(child, {{}}, Path({str(tmp_path / "child.log")!r}), label="child"):
             time.sleep(600)
     """)
-    runner = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=_env())
+    runner = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=runner_env())
     deadline = time.time() + 60
     while not marker.exists() or not marker.read_text():
         assert time.time() < deadline

@@ -15,11 +15,9 @@ published draft <= 3%, final and validation loss within 1%, same step count.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlflow
@@ -27,8 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runner.sweep import PARENT_ENV
-from tests.conftest import REPO, tiny_overrides
+from tests.conftest import REPO, run_runner, run_until, runner_env, tiny_overrides
 
 DRIFT = 0.03
 LOSS_RTOL = 0.01
@@ -39,33 +36,6 @@ def _command(model_dir, chats, root, *extra):
                           "train.max_steps=null", "train.epochs=3", "train.checkpoint_every=0.25",
                           *extra)  # fmt: skip
     return [sys.executable, "-m", "runner", *base]
-
-
-def _env():
-    return {k: v for k, v in os.environ.items() if k not in (PARENT_ENV, "MLFLOW_TRACKING_URI")}
-
-
-def run(cmd, timeout=600):
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
-
-
-def run_until(cmd, trigger: str, sig: int, timeout=600) -> tuple[int, str]:
-    """Start `cmd`, send `sig` to it once a line contains `trigger`, return (exit code, output)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    lines, sent = [], False
-    deadline = time.time() + timeout
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if not sent and trigger in line:
-            proc.send_signal(sig)
-            sent = True
-        assert time.time() < deadline, "".join(lines[-30:])
-    code = proc.wait()
-    assert sent, f"never saw {trigger!r}:\n" + "".join(lines[-30:])
-    return code, "".join(lines)
 
 
 def train_result(root: Path) -> tuple[dict, dict]:
@@ -87,7 +57,7 @@ def assert_close_drafts(resumed: tuple[dict, dict], reference: tuple[dict, dict]
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, chats_jsonl, tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
-    proc = run(_command(tiny_model_dir, chats_jsonl, root))
+    proc = run_runner(_command(tiny_model_dir, chats_jsonl, root))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return train_result(root)
 
@@ -115,7 +85,8 @@ def test_sigterm_checkpoints_stops_and_the_printed_command_resumes(
     assert not train_store.exists() or not list(train_store.iterdir())
     # The printed command, as printed (it is a shell command line).
     proc = subprocess.run(resume.replace("python", sys.executable, 1), shell=True, cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+                          env=runner_env(), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Resuming mid-epoch" in proc.stdout + proc.stderr
     metrics, weights = train_result(tmp_path)
@@ -130,7 +101,7 @@ def test_kill_9_mid_epoch_resumes_from_the_last_checkpoint(
     # Epoch 1's first in-epoch checkpoint is saved at its step 9 (of 35); kill a few steps later.
     code, _ = run_until(cmd, "'global_step': 48", signal.SIGKILL)
     assert code == -signal.SIGKILL
-    proc = run(cmd)
+    proc = run_runner(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics, weights = train_result(tmp_path)
     assert metrics["resumes"] == 1 and 1 <= metrics["steps_redone"] <= 9
@@ -148,7 +119,7 @@ def test_two_cpu_ranks_through_torchrun_stop_together_and_resume(
     leftover = subprocess.run(["pgrep", "-f", f"speculators_worker {tmp_path}"],
                               capture_output=True, text=True)  # fmt: skip
     assert leftover.stdout.strip() == "", "a rank outlived the runner"
-    proc = run(cmd)
+    proc = run_runner(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics, _ = train_result(tmp_path)
     assert metrics["ranks"] == 2 and metrics["resumes"] == 1 and metrics["steps_redone"] == 0
