@@ -20,6 +20,7 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 
+from runner import endpoint
 from runner.errors import ConfigError
 from runner.integrations.vllm import vllm_eagle3_support
 from runner.layer_ids import to_output_of
@@ -188,6 +189,63 @@ def _engine_lines(
         plan.add("vLLM class", f"{support['cls']}: SupportsEagle3")
 
 
+def _probe_tokens(cfg: RunnerConfig, target: Target) -> list[int] | None:
+    """The configured target's ids for the endpoint probe text (None if its tokenizer does not
+    load here: then the tokenizers are not compared)."""
+    try:
+        from transformers import AutoTokenizer  # seconds; only a run with an endpoint asks
+
+        tok = AutoTokenizer.from_pretrained(
+            target.facts.path, trust_remote_code=cfg.model.trust_remote_code
+        )
+        return list(tok.encode(endpoint.PROBE_TEXT, add_special_tokens=False))
+    except Exception:
+        return None
+
+
+def _endpoint_lines(
+    plan: Plan, cfg: RunnerConfig, target: Target, needs: dict[str, tuple[str, ...]]
+) -> None:
+    """hardware.vllm.endpoint: a server that already runs, asked now whether it is the one the
+    stages of this run need (runner/endpoint.py)."""
+    url = cfg.hardware.vllm.endpoint
+    assert url is not None
+    if not needs:
+        plan.add("vLLM", f"{url} (hardware.vllm.endpoint): no stage of this run uses it")
+        return
+    kinds = {
+        n: endpoint.EXTRACTION if "extract_hidden_states" in f else endpoint.DRAFT
+        for n, f in needs.items()
+    }
+    if len(set(kinds.values())) > 1:
+        plan.error(
+            "hardware.vllm.endpoint",
+            f"one server serves one configuration, but {', '.join(kinds)} need both hidden-state "
+            "extraction and a draft; run them in separate invocations (run.stages=[...])",
+        )
+        return
+    need = next(iter(kinds.values()))
+    info = endpoint.inspect(url, timeout=float(cfg.tracking.connect_timeout_s))
+    if isinstance(info, str):
+        plan.error("hardware.vllm.endpoint", f"{url} {info}")
+        return
+    plan.add("vLLM", f"existing server {endpoint.describe(info)}; used by {', '.join(kinds)}")
+    extraction = need == endpoint.EXTRACTION
+    found = endpoint.problems(
+        info,
+        need,
+        tokens=_probe_tokens(cfg, target),
+        min_model_len=cfg.data.max_seq_len + 1 if extraction else cfg.eval.max_model_len,
+        len_key="data.max_seq_len" if extraction else "eval.max_model_len",
+        dtype=cfg.hardware.dtype,
+        k=None if extraction else cfg.eval.num_speculative_tokens,
+    )
+    for level, key, message in found:
+        (plan.error if level == "error" else plan.warn)(key, message)
+    for note in info.notes:
+        plan.warn("hardware.vllm.endpoint", note)
+
+
 # Filesystems that one machine alone sees: a store there is not shared by a cluster's nodes.
 LOCAL_FILESYSTEMS = ("ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs")
 
@@ -266,7 +324,10 @@ def build_plan(
         if s.vllm_features is not None and view.actions[s.name] == "run"
     }
     users = [name for name, features in needs.items() if features]
-    _engine_lines(plan, cfg, target, users, {f for fs in needs.values() for f in fs})
+    if cfg.hardware.vllm.endpoint:
+        _endpoint_lines(plan, cfg, target, {n: f for n, f in needs.items() if f})
+    else:
+        _engine_lines(plan, cfg, target, users, {f for fs in needs.values() for f in fs})
     plan.add("environment", ", ".join(f"{k}={v}" for k, v in cfg.hardware.env.items()) or "(none)")
     _launcher_lines(plan, output_root)
     _gpu_lines(plan, cfg, any(p.action == "run" for p in planned))

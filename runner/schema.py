@@ -18,6 +18,7 @@ auxiliary layers only; the runner always appends n.
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -57,6 +58,14 @@ class ExtractBackend(StrEnum):
     transformers = "transformers"
     # A vLLM server the runner starts (targets only an engine can hold).
     vllm = "vllm"
+
+
+class ExtractMode(StrEnum):
+    # Hidden states are extracted once, stored (extract.storage) and read by every epoch.
+    offline = "offline"
+    # Nothing is stored: training fetches each sample's states from a live vLLM server
+    # (speculators' --vllm-endpoint), every epoch again.
+    online = "online"
 
 
 class Verify(StrEnum):
@@ -201,10 +210,22 @@ class VllmLaunchConfig:
     ready_timeout_s: int = 900
     # Seconds between SIGTERM and SIGKILL when the runner stops it.
     stop_timeout_s: int = 60
+    # A server that already runs (http://host:port): extraction, online training and evaluation
+    # use it instead of starting one; the plan checks through its API that it serves this
+    # target, set up as the stage needs (runner/endpoint.py).
+    endpoint: str | None = None
 
     def check(self) -> None:
         _at_least("hardware.vllm.ready_timeout_s", self.ready_timeout_s, 1)
         _at_least("hardware.vllm.stop_timeout_s", self.stop_timeout_s, 1)
+        if self.endpoint is not None:
+            url = urllib.parse.urlsplit(self.endpoint)
+            if url.scheme not in ("http", "https") or not url.hostname or url.port is None:
+                raise ConfigError(
+                    "hardware.vllm.endpoint",
+                    f"{self.endpoint!r} is not http://host:port (the server's address, without "
+                    "/v1)",
+                )
 
 
 @dataclass
@@ -227,6 +248,9 @@ class HardwareConfig:
     gpu_memory_gib: float | None = None
     # Shown in the plan (PCIe-only boxes all-reduce through NCCL).
     interconnect: Interconnect = Interconnect.none
+    # Planned extraction throughput (prefill tokens/s of the whole box), for the plan's write
+    # bandwidth and extraction time (null: what the last extraction of this target measured).
+    extract_tokens_per_s: float | None = None
     # Environment set for every stage and child process (NCCL variables and the like).
     env: dict[str, str] = field(default_factory=dict)
     # The vLLM server the extract (backend vllm) and evaluate stages start.
@@ -234,6 +258,8 @@ class HardwareConfig:
 
     def check(self) -> None:
         _at_least("hardware.num_gpus", self.num_gpus, 0)
+        if self.extract_tokens_per_s is not None:
+            _at_least("hardware.extract_tokens_per_s", self.extract_tokens_per_s, 1)
         if self.device == Device.cuda and self.num_gpus < 1:
             raise ConfigError("hardware.num_gpus", "is 0 but hardware.device is cuda; set >= 1")
         if self.device == Device.cpu and self.num_gpus:
@@ -311,6 +337,10 @@ class ExtractConfig:
     # read by speculators' fp8 backend with no conversion step). Statistics come from the
     # full-precision values either way.
     storage: Storage = Storage.bf16
+    # offline: extract once, store, train from the files. online: store nothing; training fetches
+    # each sample from a vLLM server (started by the train stage, or hardware.vllm.endpoint),
+    # every epoch again. Online needs backend vllm.
+    mode: ExtractMode = ExtractMode.offline
     # vLLM backend: requests in flight, seconds per request, and retries per sample before the
     # stage fails naming it.
     concurrency: int = 8
@@ -321,6 +351,12 @@ class ExtractConfig:
     superset_presets: list[str] = field(default_factory=list)
 
     def check(self) -> None:
+        if self.mode == ExtractMode.online and self.backend != ExtractBackend.vllm:
+            raise ConfigError(
+                "extract.backend",
+                f"is {self.backend}, but extract.mode=online fetches hidden states from a vLLM "
+                "server; use extract=online (backend vllm, mode online) or extract.mode=offline",
+            )
         _at_least("extract.concurrency", self.concurrency, 1)
         _at_least("extract.request_timeout_s", self.request_timeout_s, 1)
         _at_least("extract.max_retries", self.max_retries, 0)
@@ -541,7 +577,14 @@ class RunnerConfig:
         if self.hardware.device == "cpu":
             return self.train.cpu_processes
         n = self.train.num_gpus if self.train.num_gpus is not None else self.hardware.num_gpus
+        if self.train.num_gpus is None and self.serves_while_training():
+            # The server the train stage starts takes tensor_parallel_size GPUs of the box.
+            n = self.hardware.num_gpus - self.hardware.tensor_parallel_size
         return max(n, 1)
+
+    def serves_while_training(self) -> bool:
+        """Online training with a server the runner starts on this machine (not an endpoint)."""
+        return self.extract.mode == ExtractMode.online and not self.hardware.vllm.endpoint
 
 
 def check_known_keys(node: DictConfig) -> None:

@@ -32,6 +32,7 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from runner import shared_servers
 from runner.errors import ConfigError
 from runner.stage import registry
 from runner.store import writable_root
@@ -39,7 +40,7 @@ from runner.tracking import Tracker, check_store, process_tags, tracking_uri
 
 log = logging.getLogger("runner")
 # The sweep's parent run id, exported for the jobs (the joblib launcher's too).
-PARENT_ENV = "EAGLE3_PARENT_RUN_ID"
+PARENT_ENV = shared_servers.PARENT_ENV
 
 
 def sweep_job_tags() -> dict[str, str]:
@@ -101,6 +102,7 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         import mlflow  # seconds to import; only a multirun's callback needs it
 
+        shared_servers.stop_all()  # the online server the sweep's jobs shared, if any
         parent = os.environ.pop(PARENT_ENV, None)
         if not parent:
             return

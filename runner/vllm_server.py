@@ -1,7 +1,7 @@
 """A vLLM OpenAI-compatible server that the runner starts, watches and always stops.
 
 Use:
-    with VllmServer.from_config(cfg, model_path, args, log_path, label="extract") as server:
+    with serve(cfg, model_path, args, log_path, label="extract") as server:
         client = openai.Client(base_url=server.url, api_key="EMPTY")
         ...
         counters = server.spec_decode_counters()
@@ -18,6 +18,10 @@ artifact). A server that exits, or is not ready within `hardware.vllm.ready_time
 `ServerError` with the reason and the log's last lines. The server runs in its own process
 group, which is terminated (then killed) on leaving the `with` block for any reason, Ctrl-C and
 SIGTERM included; the kernel also signals it if the runner itself dies (runner/process.py).
+
+With `hardware.vllm.endpoint` set, `serve` returns an `ExistingServer` instead: the same
+surface (url, model_id, check_alive, the counters), nothing started and nothing stopped. The plan
+has already checked through its API that it is the server the stage needs (runner/endpoint.py).
 """
 
 from __future__ import annotations
@@ -86,7 +90,94 @@ def engine_args(cfg: RunnerConfig, max_model_len: int) -> list[str]:
     return args
 
 
-class VllmServer:
+class _ServerApi:
+    """Requests every server answers, whoever started it."""
+
+    base: str
+    label: str
+    log_path: Path | str
+
+    def check_alive(self) -> None:
+        raise NotImplementedError
+
+    def _get(self, path: str, timeout: float) -> str | None:
+        try:
+            with urllib.request.urlopen(f"{self.base}{path}", timeout=timeout) as r:
+                return r.read().decode() if r.status == 200 else None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return None
+
+    def metrics_text(self) -> str:
+        text = self._get("/metrics", timeout=30)
+        if text is None:
+            self.check_alive()
+            raise ServerError(f"vLLM ({self.label}) did not answer /metrics")
+        return text
+
+    def spec_decode_counters(self) -> dict[str, Any]:
+        return spec_decode_counters(self.metrics_text())
+
+    def version(self) -> str:
+        """The server's vLLM version (/version), "unknown" if it does not say."""
+        try:
+            return json.loads(self._get("/version", timeout=10) or "{}").get("version", "unknown")
+        except ValueError:
+            return "unknown"
+
+    def served_model(self) -> str:
+        models = json.loads(self._get("/v1/models", timeout=10) or "{}").get("data") or []
+        if not models:
+            raise ServerError(f"vLLM ({self.label}) is up but serves no model")
+        return models[0]["id"]
+
+
+class ExistingServer(_ServerApi):
+    """A server that already runs (hardware.vllm.endpoint): used, never started or stopped."""
+
+    def __init__(self, endpoint: str, label: str):
+        self.base = endpoint.rstrip("/")
+        self.url = f"{self.base}/v1"
+        self.label = label
+        self.log_path = f"the log of the server at {self.base}"
+        self.model_id: str | None = None
+        self.start_s = 0.0
+
+    def __enter__(self) -> ExistingServer:
+        self.check_alive()
+        self.model_id = self.served_model()
+        log.info("[%s] using the running vLLM server at %s (%s)", self.label, self.base,
+                 self.model_id)  # fmt: skip
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def check_alive(self) -> None:
+        if self._get("/health", timeout=10) is None:
+            raise ServerError(
+                f"the vLLM server at {self.base} (hardware.vllm.endpoint) does not answer "
+                "/health; see its own log on the machine that runs it"
+            )
+
+    def stop(self) -> None:
+        return None
+
+
+def serve(
+    cfg: RunnerConfig,
+    model_path: str,
+    args: Sequence[str],
+    log_path: Path,
+    label: str,
+    env: dict[str, str] | None = None,
+) -> VllmServer | ExistingServer:
+    """The server a stage uses: hardware.vllm.endpoint if set, else one started with `args`."""
+    if cfg.hardware.vllm.endpoint:
+        return ExistingServer(cfg.hardware.vllm.endpoint, label)
+    return VllmServer.from_config(cfg, model_path, args, log_path, label, env=env)
+
+
+class VllmServer(_ServerApi):
     def __init__(
         self,
         command: Sequence[str],
@@ -102,7 +193,8 @@ class VllmServer:
         self.label = label
         self.ready_timeout_s = ready_timeout_s
         self.port = int(self.command[self.command.index("--port") + 1])
-        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.base}/v1"
         self.model_id: str | None = None
         self.start_s: float | None = None
         self._ready = threading.Event()
@@ -119,8 +211,16 @@ class VllmServer:
 
     @classmethod
     def from_config(
-        cls, cfg: RunnerConfig, model_path: str, args: Sequence[str], log_path: Path, label: str
+        cls,
+        cfg: RunnerConfig,
+        model_path: str,
+        args: Sequence[str],
+        log_path: Path,
+        label: str,
+        env: dict[str, str] | None = None,
     ) -> VllmServer:
+        """A server for `model_path` with `args`; `env` adds to the environment last (e.g. the
+        GPUs it may use)."""
         v = cfg.hardware.vllm
         base = list(v.command) or list(DEFAULT_COMMAND)
         command = [
@@ -138,6 +238,7 @@ class VllmServer:
             **os.environ,
             **{k: str(x) for k, x in cfg.hardware.env.items()},
             **{k: str(x) for k, x in v.env.items()},
+            **(env or {}),
         }
         # The CPU hidden-states connector is imported by module path inside the server.
         root = str(Path(__file__).resolve().parent.parent)
@@ -182,12 +283,10 @@ class VllmServer:
                 )
                 next_note = now + 15
             time.sleep(1.0)
-        models = json.loads(self._get("/v1/models", timeout=10) or "{}").get("data") or []
-        if not models:
-            raise ServerError(
-                f"vLLM ({self.label}) is up but serves no model; {self._proc.tail_text()}"
-            )
-        self.model_id = models[0]["id"]
+        try:
+            self.model_id = self.served_model()
+        except ServerError as exc:
+            raise ServerError(f"{exc}; {self._proc.tail_text()}") from None
         self.start_s = time.time() - t0
         self._ready.set()
         log.info("[%s] vLLM ready in %.1f s at %s", self.label, self.start_s, self.url)
@@ -202,26 +301,6 @@ class VllmServer:
 
     def stop(self) -> None:
         self._proc.stop()
-
-    # -- requests --------------------------------------------------------------------------------
-    def _get(self, path: str, timeout: float) -> str | None:
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{self.port}{path}", timeout=timeout
-            ) as r:
-                return r.read().decode() if r.status == 200 else None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return None
-
-    def metrics_text(self) -> str:
-        text = self._get("/metrics", timeout=30)
-        if text is None:
-            self.check_alive()
-            raise ServerError(f"vLLM ({self.label}) did not answer /metrics")
-        return text
-
-    def spec_decode_counters(self) -> dict[str, Any]:
-        return spec_decode_counters(self.metrics_text())
 
 
 @contextlib.contextmanager

@@ -35,7 +35,14 @@ from runner.stage import PlanView, Stage, StageContext
 from runner.store import damage
 from runner.target_facts import ModelFacts
 from runner.versions import VLLM_DISTS
-from runner.vllm_server import VllmServer, counters_delta, engine_args, quiet_http_logs
+from runner.vllm_server import (
+    ExistingServer,
+    VllmServer,
+    counters_delta,
+    engine_args,
+    quiet_http_logs,
+    serve,
+)
 
 log = logging.getLogger("runner")
 _NOT_IN_KEY = ("name", "timeout_s")
@@ -67,7 +74,9 @@ def server_args(cfg: RunnerConfig, draft: Path | None) -> list[str]:
     return args
 
 
-async def _generate_all(server: VllmServer, prompts: list[str], cfg: RunnerConfig) -> list[Any]:
+async def _generate_all(
+    server: VllmServer | ExistingServer, prompts: list[str], cfg: RunnerConfig
+) -> list[Any]:
     """Every prompt at once (the server batches them), greedy, with the generated token ids."""
     import openai  # the client library takes a second to import; only evaluation needs it
 
@@ -115,7 +124,7 @@ def _serve(
         len(prompts),
         label,
     )
-    server = VllmServer.from_config(
+    server = serve(
         cfg,
         facts.path,
         server_args(cfg, draft),
@@ -238,7 +247,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         }
     )
     identical: list[bool | None] = [None] * len(prompts)
-    if e.compare_target:
+    # A server that already runs (hardware.vllm.endpoint) serves one configuration, the draft's:
+    # the target alone and a random draft would need servers of their own (the plan says so).
+    existing = cfg.hardware.vllm.endpoint is not None
+    if existing:
+        ctx.manifest["served_by"] = cfg.hardware.vllm.endpoint
+    if e.compare_target and not existing:
         target = _serve(cfg, ctx.facts, None, prompts, "target", logs)
         identical = [a == b for a, b in zip(spec["token_ids"], target["token_ids"], strict=True)]
         metrics["identical_to_target_fraction"] = sum(identical) / len(identical)
@@ -256,7 +270,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 len(identical),
                 bad[:10],
             )
-    if e.random_baseline:
+    if e.random_baseline and not existing:
         rand = _random_draft(train_art.manifest, work / "random_draft")
         rnd = _serve(cfg, ctx.facts, rand, prompts, "random_draft", logs)
         for k, v in acceptance(rnd["counters"]).items():
@@ -275,7 +289,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ]
     (ctx.out / "eval_table.json").write_text(json.dumps(table, indent=1))
     (ctx.out / "summary.json").write_text(json.dumps(metrics, indent=2))
-    shutil.copytree(logs, ctx.out / "logs")
+    if logs.is_dir():  # none with an existing server: its log is on its machine
+        shutil.copytree(logs, ctx.out / "logs")
     return metrics
 
 
@@ -314,6 +329,14 @@ def plan(p: Plan, view: PlanView) -> None:
     cfg = view.cfg
     if view.actions.get("evaluate") != "run":
         return
+    if cfg.hardware.vllm.endpoint:
+        skipped = [k for k in ("compare_target", "random_baseline") if getattr(cfg.eval, k)]
+        if skipped:
+            p.warn(
+                ", ".join(f"eval.{k}" for k in skipped),
+                "not measured: the server at hardware.vllm.endpoint serves the draft only, and "
+                "the target alone or a random draft would need servers of their own",
+            )
     context = cfg.model.max_context or target_context(view.target.config)
     if context and cfg.eval.max_model_len > context:
         p.error(

@@ -18,7 +18,9 @@ the checkpoint (config.json + model.safetensors in speculators' format, which vL
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -27,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ from runner.schema import RunnerConfig
 from runner.stage import PlanView, Stage, StageContext
 from runner.store import fmt_bytes
 from runner.target_facts import ModelFacts
+from runner.vllm_server import quiet_http_logs
 
 log = logging.getLogger("runner")
 REPO = Path(__file__).resolve().parent.parent
@@ -100,6 +103,8 @@ FLAG_KEYS = {
     "--hidden-states-dtype": "hardware.dtype", "--checkpoint-freq": "train.checkpoint_every",
     "--fsdp-shard": "train.fsdp", "--max-steps": "train.max_steps",
     "--trust-remote-code": "model.trust_remote_code",
+    "--vllm-endpoint": "hardware.vllm.endpoint", "--request-timeout": "extract.request_timeout_s",
+    "--max-retries": "extract.max_retries",
 }  # fmt: skip
 
 
@@ -119,8 +124,11 @@ def speculators_argv(
     vocab: Path,
     save_path: Path,
     extra: list[str] | None = None,
+    online: str | None = None,
 ) -> list[str]:
-    """The `speculators train` command line for this config (recorded in the manifest too)."""
+    """The `speculators train` command line for this config (recorded in the manifest too).
+    online: the URL of the vLLM server (…/v1) that speculators fetches every sample from
+    (extract.mode=online); `hidden_states` is then an empty folder, so nothing is read from disk."""
     t = cfg.train
     argv = [
         "--speculator-type", "eagle3",
@@ -147,7 +155,11 @@ def speculators_argv(
         "--log-freq", str(t.log_freq),
         "--seed", str(t.seed),
         "--hidden-states-dtype", cfg.hardware.dtype,
-        "--on-missing", "raise",
+        *(["--on-missing", "raise"] if online is None else [
+            "--on-missing", "generate", "--vllm-endpoint", online,
+            "--request-timeout", str(cfg.extract.request_timeout_s),
+            "--max-retries", str(cfg.extract.max_retries),
+        ]),
         "--save-path", str(save_path),
         "--log-dir", str(save_path.parent / "logs"),
     ]  # fmt: skip
@@ -161,7 +173,7 @@ def speculators_argv(
         # The files hold a sweep's superset of layers; read only this job's slots (fp8 files are
         # dequantized by the same reader).
         argv += ["--hidden-states-backend", SLOT_BACKEND]
-    elif cfg.extract.storage == "fp8":
+    elif cfg.extract.storage == "fp8" and online is None:
         # speculators' own fp8 reader (hs-connectors' FP8Transfer): no conversion step.
         argv += ["--hidden-states-backend", "fp8"]
     if cfg.model.trust_remote_code:
@@ -287,6 +299,131 @@ def _torchrun(ctx: StageContext, argv: list[str], ranks: int) -> dict[str, Any]:
     return outcome
 
 
+def serving_gpus(cfg: RunnerConfig) -> list[str] | None:
+    """Online on a GPU box: the GPUs the train stage's server gets (the last
+    tensor_parallel_size of the visible ones); training takes the first train_ranks()."""
+    hw = cfg.hardware
+    if hw.device != "cuda" or not cfg.serves_while_training():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
+    ids = ids or [str(i) for i in range(hw.num_gpus)]
+    return ids[-hw.tensor_parallel_size :]
+
+
+def _probe(ctx: StageContext, server: Any) -> dict[str, Any]:
+    """Sample 0 through the server before training: its file must be readable here and hold one
+    slot per capture id, with the prepared token ids. Returns what it saw."""
+    import datasets  # slow imports: only an online run
+    import openai
+    from hs_connectors import FP8Transfer
+    from speculators.data_generation.vllm_client import generate_hidden_states
+
+    cfg, facts = ctx.cfg, ctx.facts
+    data = datasets.load_from_disk(str(ctx.inputs["prepare"].path / "dataset"))
+    ids = [int(i) for i in data.with_format(None)[0]["input_ids"]]
+    client = openai.OpenAI(base_url=server.url, api_key="EMPTY", max_retries=0)
+    t0 = time.time()
+    try:
+        handle, params = generate_hidden_states(
+            client, server.model_id, {"input_ids": ids}, timeout=cfg.extract.request_timeout_s
+        )
+    except Exception as exc:
+        server.check_alive()
+        raise StageError(
+            f"online training: the server at {server.url} did not return hidden states for "
+            f"sample 0 ({type(exc).__name__}: {exc}); see {server.log_path}"
+        ) from None
+    where = params.get("hidden_states_path") or params.get("handle") or handle
+    sample = FP8Transfer(Path(".")).get_generated(params)
+    if sample is None:
+        raise StageError(
+            f"online training: the server wrote sample 0's hidden states to {where}, which this "
+            "machine cannot read; the server's hidden-state folder (its --kv-transfer-config "
+            "shared_storage_path) must be on a filesystem both machines share"
+        )
+    Path(where).unlink(missing_ok=True)
+    got = tuple(sample["hidden_states"].shape)
+    want = len(facts.extract_ids)
+    if len(got) != 3 or got[0] != len(ids) or got[1] != want:
+        raise StageError(
+            f"online training: the server returned hidden states of shape {got} for sample 0; "
+            f"this run needs [{len(ids)}, {want}, hidden]: {want} slots for capture ids "
+            f"{list(facts.extract_ids)} (model.capture_layers; with hardware.vllm.endpoint, the "
+            "server's eagle_aux_hidden_state_layer_ids)"
+        )
+    if sample["token_ids"].tolist() != ids:
+        raise StageError(
+            "online training: the server's token ids for sample 0 differ from the prepared ones; "
+            "it serves another tokenizer (hardware.vllm.endpoint)"
+        )
+    return {"probe_s": time.time() - t0, "probe_shape": list(got)}
+
+
+@contextlib.contextmanager
+def _online_server(ctx: StageContext) -> Iterator[Any]:
+    """extract.mode=online: the server speculators fetches from (started here with the same
+    flags as the vLLM extraction, or hardware.vllm.endpoint), checked with sample 0 and stopped
+    when training ends; in a multirun it stays up for the next job (runner/shared_servers.py).
+    Offline: None."""
+    if ctx.cfg.extract.mode != "online":
+        yield None
+        return
+    from runner import shared_servers
+    from runner.vllm_server import serve
+    from stages.extract.vllm_backend import server_args
+
+    cfg, facts = ctx.cfg, ctx.facts
+    gpus = serving_gpus(cfg)
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else None
+    shared = shared_servers.in_multirun() and not cfg.hardware.vllm.endpoint
+    if shared:
+        # One folder per distinct server, outside any job's work folder (each job's is removed
+        # when it succeeds, while the server lives on).
+        key = hashlib.sha256(
+            json.dumps([facts.path, server_args(cfg, facts, Path("-")), env]).encode()
+        ).hexdigest()[:16]
+        home = ctx.scratch.parent / f"online-server-{key}"
+    else:
+        key, home = "", ctx.scratch  # where the server writes; speculators deletes each file
+    staging = home / "online_states"
+    if not (shared and shared_servers.running(key)):
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    args = server_args(cfg, facts, staging)
+
+    def start() -> Any:
+        return serve(cfg, facts.path, args, home / "logs" / "vllm_online.log",
+                     label="train:online", env=env)  # fmt: skip
+
+    with contextlib.ExitStack() as stack:
+        if shared:
+            server, reused = shared_servers.get(key, start)
+        else:
+            server, reused = stack.enter_context(start()), False
+        seen = _probe(ctx, server)
+        ctx.manifest["served"] = {
+            "url": server.url,
+            "endpoint": cfg.hardware.vllm.endpoint,
+            "server_args": None if cfg.hardware.vllm.endpoint else args,
+            "gpus": gpus,
+            "capture_ids": list(facts.extract_ids),
+            "vllm": server.version(),
+            "start_s": 0.0 if reused else server.start_s,
+            "shared_by_sweep": shared,
+            "reused": reused,
+            **seen,
+        }
+        log.info("[train] online: fetching hidden states from %s%s (sample 0: %s in %.1f s)",
+                 server.url, " (the sweep's server, already running)" if reused else "",
+                 seen["probe_shape"], seen["probe_s"])  # fmt: skip
+        yield server
+        if shared and isinstance(server.log_path, Path):
+            # The shared server's log so far, with this job's artifact.
+            (ctx.scratch / "logs").mkdir(parents=True, exist_ok=True)
+            shutil.copy2(server.log_path, ctx.scratch / "logs" / "vllm_online.log")
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     work = ctx.scratch
     save_path = work / "checkpoints"
@@ -303,28 +440,40 @@ def run(ctx: StageContext) -> dict[str, Any]:
     (work / "attempts.json").write_text(json.dumps(history))
     for stale in (work / "outcome.json", *work.glob("memory_rank*.json")):
         stale.unlink(missing_ok=True)
-    argv = speculators_argv(
-        ctx.cfg,
-        ctx.facts,
-        data_path=ctx.inputs["prepare"].path / "dataset",
-        hidden_states=ctx.inputs["extract"].path / "hidden_states",
-        vocab=ctx.inputs["vocab"].path,
-        save_path=save_path,
-        extra=["--logger", "mlflow"] if ctx.tracker is not None else [],
-    )
-    ctx.manifest["speculators_argv"] = argv
-    if SLOT_BACKEND in argv:
-        ctx.manifest["slots"] = list(ctx.facts.train_slots)
+    online = ctx.cfg.extract.mode == "online"
+    # Online, nothing is read from disk: an empty folder, so speculators fetches every sample.
+    states = work / "no_stored_states" if online else ctx.inputs["extract"].path / "hidden_states"
+    if online:
+        states.mkdir(exist_ok=True)
     ranks = ctx.cfg.train_ranks()
-    if resuming:
-        log.info("[train] resuming from %s (an earlier run reached step %d)", save_path,
-                 reached_before)  # fmt: skip
-    if ranks == 1:
-        state = run_training(argv, ctx.facts.train_slots, work, device=ctx.cfg.hardware.device)
-        outcome = _read_json(work / "outcome.json", {})
-        chain_requeue(state)
-    else:
-        outcome = _torchrun(ctx, argv, ranks)
+    with _online_server(ctx) as server:
+        argv = speculators_argv(
+            ctx.cfg,
+            ctx.facts,
+            data_path=ctx.inputs["prepare"].path / "dataset",
+            hidden_states=states,
+            vocab=ctx.inputs["vocab"].path,
+            save_path=save_path,
+            extra=["--logger", "mlflow"] if ctx.tracker is not None else [],
+            online=server.url if server is not None else None,
+        )
+        ctx.manifest["speculators_argv"] = argv
+        if SLOT_BACKEND in argv:
+            ctx.manifest["slots"] = list(ctx.facts.train_slots)
+        if resuming:
+            log.info("[train] resuming from %s (an earlier run reached step %d)", save_path,
+                     reached_before)  # fmt: skip
+        t0 = time.time()
+        # Online, every fetched sample is an HTTP request that its client logs at INFO.
+        with quiet_http_logs() if online else contextlib.nullcontext():
+            if ranks == 1:
+                state = run_training(argv, ctx.facts.train_slots, work,
+                                     device=ctx.cfg.hardware.device)  # fmt: skip
+                outcome = _read_json(work / "outcome.json", {})
+                chain_requeue(state)
+            else:
+                outcome = _torchrun(ctx, argv, ranks)
+        train_s = time.time() - t0
     if outcome.get("status") != "finished":
         name = outcome.get("signal") or "SIGTERM"  # None: another rank was signalled
         raise Interrupted(
@@ -347,9 +496,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     for f in ("run.yaml", "train_command.txt"):
         if (save_path / f).exists():
             shutil.copy2(save_path / f, ctx.out / f)
-    if (work / "logs" / "train.log").is_file():
-        (ctx.out / "logs").mkdir()
-        shutil.copy2(work / "logs" / "train.log", ctx.out / "logs" / "train.log")
+    for name in ("train.log", "vllm_online.log"):
+        if (work / "logs" / name).is_file():
+            (ctx.out / "logs").mkdir(exist_ok=True)
+            shutil.copy2(work / "logs" / name, ctx.out / "logs" / name)
     # Record the layer-id convention in the draft's own config, beside speculators' fields.
     conf_path = draft / "config.json"
     conf = json.loads(conf_path.read_text())
@@ -373,6 +523,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
         **memory,
         "checkpoint_bytes": sum(f.stat().st_size for f in draft.iterdir()),
         "ranks": ranks,
+        # This attempt's training alone (no server start): online against offline per epoch.
+        "train_s": train_s,
+        "seconds_per_epoch": train_s / ctx.cfg.train.epochs,
+        **({"server_start_s": ctx.manifest["served"]["start_s"]} if online else {}),
         "resumes": history["resumes"],
         "steps_redone": history["steps_redone"],
     }
@@ -442,8 +596,9 @@ def _check_with_speculators(p: Plan, view: PlanView) -> None:
     """The flags this run will pass, resolved by the installed speculators' own TrainConfig
     (paths are placeholders: only values are checked), before any stage runs."""
     where = Path("/nonexistent/plan")
+    online = "http://127.0.0.1:8000/v1" if view.cfg.extract.mode == "online" else None
     argv = speculators_argv(view.cfg, view.target.facts, where / "data", where / "hs",
-                            where / "vocab", where / "save")  # fmt: skip
+                            where / "vocab", where / "save", online=online)  # fmt: skip
     refused = check_train_flags(argv, flag_keys(view.cfg), view.output_root / "cache")
     if refused:
         p.error(*refused)
@@ -481,6 +636,8 @@ def plan(p: Plan, view: PlanView) -> None:
         f"{ranks} {what} ({mode}; train.num_gpus, train.fsdp), checkpoints {every} "
         "(train.checkpoint_every)",
     )
+    if cfg.extract.mode == "online":
+        _plan_online_split(p, cfg)
     if hw.device != "cuda":
         return
     mem = memory_estimate(cfg, view)
@@ -506,6 +663,39 @@ def plan(p: Plan, view: PlanView) -> None:
         )
 
 
+def _plan_online_split(p: Plan, cfg: RunnerConfig) -> None:
+    """Online: which GPUs serve and which train; a box that cannot hold both is refused."""
+    hw = cfg.hardware
+    if hw.vllm.endpoint:
+        p.add("online", f"hidden states fetched from {hw.vllm.endpoint} (hardware.vllm.endpoint)")
+        return
+    if hw.device != "cuda":
+        p.add("online", "the train stage's vLLM server and training share this machine's CPUs")
+        return
+    tp, n, ranks = hw.tensor_parallel_size, hw.num_gpus, cfg.train_ranks()
+    if tp + ranks > n or n - tp < 1:
+        key = "train.num_gpus" if cfg.train.num_gpus is not None and n - tp >= 1 else "extract.mode"
+        p.error(
+            key,
+            f"online training serves the target on {tp} GPU(s) (hardware.tensor_parallel_size) "
+            f"and trains on {ranks}, but hardware '{hw.name}' has {n}: "
+            + (
+                f"lower train.num_gpus to {n - tp}"
+                if key == "train.num_gpus"
+                else "no GPU is left to train on. Extract offline instead "
+                "(extract.mode=offline, extract.storage=fp8 halves the disk), or serve on "
+                "another machine and point hardware.vllm.endpoint at it (README: two boxes)"
+            ),
+        )
+        return
+    gpus = serving_gpus(cfg) or []
+    p.add(
+        "online",
+        f"vLLM serves on GPU(s) {','.join(gpus)} (TP {tp}); training on the first {ranks} of "
+        "the visible GPUs",
+    )
+
+
 def summary(metrics: dict[str, Any], path: Path, _cfg: RunnerConfig) -> list[str]:
     return [f"draft checkpoint: {path / 'draft'}"]
 
@@ -526,6 +716,10 @@ STAGE = Stage(
     summary=summary,
     columns=columns,
     plan=plan,
+    # Online, training fetches states from a vLLM server (extract.mode=online).
+    vllm_features=lambda cfg: (
+        ("eagle3", "extract_hidden_states") if cfg.extract.mode == "online" else ()
+    ),
     # The work folder (checkpoints) survives a failed or interrupted run: the next one resumes.
     resumable=True,
 )

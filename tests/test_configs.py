@@ -140,6 +140,10 @@ def test_wrong_type_is_rejected_with_its_name():
         (["eval.max_model_len=64"], "eval.max_model_len"),  # below max_new_tokens
         (["tracking.connect_timeout_s=0"], "tracking.connect_timeout_s"),
         (["tracking.log_checkpoint_max_mb=-1"], "tracking.log_checkpoint_max_mb"),
+        (["extract.mode=online"], "extract.backend"),  # online fetches from a vLLM server
+        (["hardware.vllm.endpoint=localhost:8000"], "hardware.vllm.endpoint"),  # no scheme
+        (["hardware.vllm.endpoint=http://gpu-box"], "hardware.vllm.endpoint"),  # no port
+        (["hardware.extract_tokens_per_s=0"], "hardware.extract_tokens_per_s"),
     ],
 )
 def test_impossible_values_fail_before_anything_loads(overrides, key):

@@ -80,6 +80,29 @@ def test_kimi_on_blackwell8_plan_from_config_json_alone(tmp_path, capsys):
         (["+model._target_=os.system"], "model._target_"),  # the runner instantiates nothing
         (["train.total_seq_len=131072"], "train.total_seq_len"),  # logits alone exceed 96 GB
         (["train.optimizer=adamw", "train.num_layers=8"], "train.fsdp"),  # 8-layer draft state
+        # Online: serving at TP 8 takes the whole box, nothing is left to train on.
+        (["extract=online"], "extract.mode"),
+        (
+            [
+                "extract=online",
+                "hardware.tensor_parallel_size=4",
+                "hardware.num_gpus=8",
+                "model.weights_gib=300",
+                "train.num_gpus=8",
+            ],
+            "train.num_gpus",
+        ),
+        # One server cannot both capture hidden states and serve the draft.
+        (["extract=online", "hardware.vllm.endpoint=http://127.0.0.1:9"], "hardware.vllm.endpoint"),
+        # A server that does not answer.
+        (
+            [
+                "extract=online",
+                "hardware.vllm.endpoint=http://127.0.0.1:9",
+                "run.stages=[prepare,extract,vocab,train]",
+            ],
+            "hardware.vllm.endpoint",
+        ),
     ],
 )
 def test_wrong_config_fails_in_preflight_with_the_key(tmp_path, overrides, key):
@@ -278,3 +301,26 @@ def test_kimi_at_300k_samples_plans_terabytes_and_refuses_what_the_disk_cannot_h
     assert n["hidden_state_bytes"] == tokens * (4 * 7168 + 12)  # 32.1 TiB; bf16 would be 64.1
     assert "fp8: 28.0 KiB/token" in p.render() and "32.1 TiB" in p.render()
     assert "bf16: 56.0 KiB/token, 64.1 TiB" in p.render()
+
+
+def test_kimi_online_plans_no_disk_and_splits_gpus_or_uses_an_endpoint(tmp_path):
+    over = ["data.num_samples=300000", "data.max_seq_len=4096", "extract=online"]
+    # Half the box serves (TP 4 fits INT4 Kimi only with a weights figure that says so), half
+    # trains: the plan names both sets.
+    p = plan(tmp_path, *over, "hardware.tensor_parallel_size=4", "model.weights_gib=300").plan
+    text = p.render()
+    assert "online: nothing stored; 1,228,800,000 tokens" in text
+    assert "64.1 TiB in bf16, 32.1 TiB in fp8" in text
+    assert "vLLM serves on GPU(s) 4,5,6,7 (TP 4); training on the first 4" in text
+    assert p.numbers["hidden_state_bytes"] == 0 and not p.errors
+
+
+def test_kimi_offline_plan_shows_the_write_bandwidth_it_needs(tmp_path, monkeypatch):
+    import stages.extract
+
+    monkeypatch.setattr(stages.extract, "free_bytes", lambda _path: 40 * 2**40)
+    over = ["data.num_samples=300000", "data.max_seq_len=4096", "extract.storage=fp8"]
+    p = plan(tmp_path, *over).plan
+    # blackwell8's planned 10,000 tokens/s x 28,684 bytes/token.
+    assert p.numbers["write_bytes_per_s"] == 10_000 * (4 * 7168 + 12)
+    assert "273.6 MiB/s at 10,000 tokens/s (hardware.extract_tokens_per_s)" in p.render()

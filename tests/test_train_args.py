@@ -68,3 +68,18 @@ def test_a_flag_speculators_does_not_know_names_extra_args():
     with pytest.raises(ConfigError) as info:
         resolve_argv(argv, slots=(0, 1, 2, 3))
     assert info.value.key == "train.extra_args" and "--no-such-flag" in info.value.message
+
+
+def test_online_training_fetches_from_the_server_and_reads_no_files():
+    cfg = typed(compose(["extract=online", "extract.max_retries=5", "extract.storage=fp8"]))
+    p = Path("/runs")
+    argv = speculators_argv(cfg, FACTS, p / "data", p / "empty", p / "vocab", p / "save",
+                            online="http://127.0.0.1:8123/v1")  # fmt: skip
+    resolved = resolve_argv(argv, slots=(0, 1, 2, 3))
+    flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    assert flags["--on-missing"] == "generate"
+    assert flags["--vllm-endpoint"] == "http://127.0.0.1:8123/v1"
+    assert flags["--max-retries"] == "5" and flags["--request-timeout"] == "600"
+    # The server writes the target's dtype whatever extract.storage says: no fp8 reader.
+    assert "--hidden-states-backend" not in argv
+    assert resolved is not None

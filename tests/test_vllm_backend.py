@@ -279,3 +279,110 @@ def test_a_server_that_dies_mid_extraction_ends_the_stage_with_its_log(runs, roo
     assert time.time() - t0 < 120, "the stage kept retrying against a dead server"
     assert "exited with code -9" in rest and "vllm_extract.log" in rest
     assert _servers_under(root) == []
+
+
+# -- online training (extract.mode=online) and a server that already runs -----------------------
+
+
+@pytest.fixture(scope="module")
+def online_run(runs, root):
+    """The same rows and settings as the offline runs, trained online against a vLLM server."""
+    return run_job(
+        compose([*REDUCED, "extract=online", f"run.output_root={root}", "run.name=online"])
+    )
+
+
+def test_online_training_stores_nothing_and_accepts_like_offline(runs, online_run, root):
+    ext = online_run.results["extract"]
+    assert not (ext.path / "hidden_states").exists() and ext.metrics["bytes"] == 0
+    served = json.loads((ext.path / "served.json").read_text())
+    assert served["capture_ids"] == [2, 15, 27, 30] and served["vllm"] != "absent"
+    assert "extract_hidden_states" in " ".join(served["server_args"])
+    train = online_run.results["train"]
+    manifest = json.loads((train.path / "manifest.json").read_text())
+    assert "--vllm-endpoint" in manifest["speculators_argv"]
+    assert manifest["served"]["probe_shape"][1] == 4
+    # speculators deletes each fetched file once loaded: nothing piles up while training.
+    assert not list((root / "scratch").glob("train-*/online_states/*.safetensors"))
+    offline, online = runs["vllm"], online_run
+    t_off = offline.results["train"].metrics["seconds_per_epoch"]
+    t_on = online.results["train"].metrics["seconds_per_epoch"]
+    print(
+        f"acceptance length offline (vLLM states) {offline.objective:.3f}, online "
+        f"{online.objective:.3f}; seconds per epoch offline {t_off:.1f}, online {t_on:.1f} "
+        f"({t_on / t_off:.2f}x), online server start "
+        f"{online.results['train'].metrics['server_start_s']:.1f} s"
+    )
+    # The same vLLM states, fetched rather than read: only bf16 batching noise differs.
+    assert abs(online.objective - offline.objective) <= ACCEPTANCE_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def existing_server(online_run, root):
+    """A vLLM server started by the test with the flags the online record says it needs, with
+    its engine config readable (VLLM_SERVER_DEV_MODE=1), as a user would start it on a serving
+    box."""
+    from runner.vllm_server import VllmServer
+
+    served = json.loads((online_run.results["extract"].path / "served.json").read_text())
+    staging = root / "endpoint_states"
+    args = [a.replace("<train work folder>/online_states", str(staging)) for a in
+            served["server_args"]]  # fmt: skip
+    server = VllmServer.from_config(compose(REDUCED), served["model"], args,
+                                    root / "endpoint.log", label="test-endpoint",
+                                    env={"VLLM_SERVER_DEV_MODE": "1"})  # fmt: skip
+    with server:
+        yield server.base
+
+
+def test_an_existing_server_is_checked_before_any_work_and_then_used(existing_server, root):
+    from runner.errors import ConfigError
+
+    base = [*REDUCED, f"run.output_root={root}", f"hardware.vllm.endpoint={existing_server}"]
+    up_to_train = ["extract=online", "run.stages=[prepare,extract,vocab,train]"]
+    # Refused in the plan, naming the setting: longer rows than the server takes ...
+    with pytest.raises(ConfigError) as info:
+        run_job(compose([*base, *up_to_train, "data.max_seq_len=1024", "run.plan_only=true"]))
+    assert info.value.key == "data.max_seq_len"
+    # ... an evaluation against a server that extracts (it serves no draft) ...
+    with pytest.raises(ConfigError) as info:
+        run_job(compose([*base, "run.stages=[evaluate]", "run.plan_only=true"]))
+    assert info.value.key == "hardware.vllm.endpoint"
+    assert "extract_hidden_states" in info.value.message
+    # ... and a dtype it does not run in.
+    with pytest.raises(ConfigError) as info:
+        run_job(compose([*base, *up_to_train, "hardware.dtype=float16", "run.plan_only=true"]))
+    assert info.value.key == "hardware.dtype"
+    # Online training against it (a new seed: a new draft), and an offline extraction through it.
+    trained = run_job(compose([*base, *up_to_train, "train.seed=1", "run.name=endpoint-online"]))
+    served = json.loads((trained.results["train"].path / "manifest.json").read_text())["served"]
+    assert served["endpoint"] == existing_server and served["server_args"] is None
+    assert trained.results["train"].metrics["steps"] > 0
+    offline = ["extract=vllm", "data.num_samples=16", "run.stages=[prepare,extract]"]
+    extracted = run_job(compose([*base, *offline, "run.name=endpoint-offline"]))
+    files = list((extracted.results["extract"].path / "hidden_states").glob("hs_*.safetensors"))
+    assert len(files) == extracted.results["extract"].metrics["samples"] == 16
+    assert not list(root.glob("endpoint_states/*.safetensors")), "files moved, none left behind"
+
+
+def test_an_online_capture_layer_sweep_shares_one_server(root):
+    """Two capture presets, online: one server with the union of their layers serves both jobs,
+    each training on its own slots."""
+    from tests.conftest import run_runner
+
+    sweep = root / "online_sweep"
+    proc = run_runner(
+        [sys.executable, "-m", "runner", "-m", "extract=online",
+         "model.capture_preset=default,late", "extract.superset_presets=[default,late]",
+         "data.num_samples=40", "train.epochs=1", "run.stages=[prepare,extract,vocab,train]",
+         f"run.output_root={sweep}", f"hydra.sweep.dir={sweep}/multirun"],
+        timeout=1200,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("[train:online] vLLM ready") == 1, "one server for the whole sweep"
+    assert out.count("the sweep's server, already running") == 1
+    drafts = list((sweep / "store" / "train").glob("*/manifest.json"))
+    slots = sorted(json.loads(p.read_text())["slots"] for p in drafts)
+    assert len(drafts) == 2 and slots[0] != slots[1]
+    assert not _servers_under(sweep), "the shared server ends with the sweep"

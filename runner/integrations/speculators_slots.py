@@ -5,7 +5,9 @@ A sweep over capture layers extracts once, capturing the union of the sweep's la
 final layer); each job trains on its own. speculators reads every slot of a file
 (`hidden_states[:, :-1]` as the draft's input), so the selection happens in the transfer
 object, which is pickled into DataLoader workers (so its class lives at module level here).
-Private APIs touched: `hs_connectors.transfer.FileBackend`, `FP8Transfer.get_cached`,
+Online training (extract.mode=online) fetches from a server that captures the union as well;
+`get_generated` selects the same slots. Private APIs touched: `hs_connectors.transfer.
+FileBackend`, `FP8Transfer.get_cached` and `get_generated`,
 `HiddenStatesBackend.registry`. Imported by `runner.integrations.speculators.
 register_slot_backend` only when a run needs it: hs-connectors imports torch.
 """
@@ -31,11 +33,17 @@ class SlotTransfer(FP8Transfer):
         super().__init__(hidden_states_path)
         self.slots = slots
 
-    def get_cached(self, file_idx: int) -> dict[str, Any] | None:
-        sample = super().get_cached(file_idx)
+    def _select(self, sample: dict[str, Any] | None) -> dict[str, Any] | None:
         if sample is not None:
             sample["hidden_states"] = sample["hidden_states"][:, self.slots].contiguous()
         return sample
+
+    def get_cached(self, file_idx: int) -> dict[str, Any] | None:
+        return self._select(super().get_cached(file_idx))
+
+    def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, Any] | None:
+        # Online: a server shared by a sweep captures the union of its layers.
+        return self._select(super().get_generated(hs_transfer_params))
 
 
 class SlotBackend(FileBackend):

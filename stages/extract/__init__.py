@@ -12,6 +12,11 @@ output, so later stages cannot tell them apart:
 - `vllm_backend`: a vLLM server the runner starts, driven by speculators' data-generation client.
 Each exposes `extract(ctx, rows, out_dir, stats)`, which writes hs_{i}.safetensors for row i,
 feeds `stats`, and returns at least tokens, seconds and tokens_per_s.
+
+Online (`extract.mode=online`, `extract=online`): nothing is extracted here. The artifact is the
+record of what training will serve (`served.json`: the vLLM flags, capture ids, vLLM version,
+the endpoint if one is used); the train stage starts that server and speculators fetches every
+sample's states from it, every epoch again (stages/train.py).
 """
 
 from __future__ import annotations
@@ -35,13 +40,18 @@ log = logging.getLogger("runner")
 _FILE_OVERHEAD_PER_TOKEN = 8
 
 
+def online(cfg: RunnerConfig) -> bool:
+    return cfg.extract.mode == "online"
+
+
 def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     return {
         "weights": facts.weights_id,
         "capture_ids": list(facts.extract_ids),
         "dtype": cfg.hardware.dtype,
         "backend": cfg.extract.backend,
-        "storage": cfg.extract.storage,
+        # Online stores nothing, so the storage does not matter there.
+        **({"mode": "online"} if online(cfg) else {"storage": cfg.extract.storage}),
         # The vLLM backend's states depend on the engine and on speculators' client as well.
         **(
             {"engines": versions({"vllm": VLLM_DISTS, "speculators": ("speculators",)})}
@@ -142,7 +152,35 @@ def bytes_per_token(slots: int, hidden: int, storage: str, dtype: str) -> int:
     return slots * hidden * DTYPE_BYTES[dtype] + _FILE_OVERHEAD_PER_TOKEN
 
 
+def _record_online(ctx: StageContext) -> dict[str, Any]:
+    """Online mode: the record of what the train stage serves, instead of stored states."""
+    from stages.extract.vllm_backend import server_args  # imports speculators: only here
+
+    cfg, facts = ctx.cfg, ctx.facts
+    prepared = ctx.inputs["prepare"].manifest.get("metrics", {})
+    record = {
+        "mode": "online",
+        "capture_ids": list(facts.extract_ids),
+        "endpoint": cfg.hardware.vllm.endpoint,
+        "vllm": versions({"vllm": VLLM_DISTS})["vllm"],
+        # The flags of the server the train stage starts (its hidden-state folder is in the
+        # train stage's work folder); with an endpoint, the flags that server must have.
+        "server_args": server_args(cfg, facts, Path("<train work folder>/online_states")),
+        "model": facts.path,
+    }
+    (ctx.out / "served.json").write_text(json.dumps(record, indent=2))
+    (ctx.out / "capture_ids.json").write_text(json.dumps(list(facts.extract_ids)))
+    return {
+        "samples": int(prepared.get("rows", prepared.get("samples", 0))),
+        "tokens": int(prepared.get("tokens", 0)),
+        "bytes": 0,
+        "slots": len(facts.extract_ids),
+    }
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
+    if online(ctx.cfg):
+        return _record_online(ctx)
     import datasets  # slow imports: only when the stage runs
     import torch
 
@@ -181,9 +219,17 @@ def plan(p: Plan, view: PlanView) -> None:
         )
     if cfg.extract.backend == "vllm":
         x = cfg.extract
+        who = (
+            f"the server at {cfg.hardware.vllm.endpoint}:"
+            if cfg.hardware.vllm.endpoint
+            else "the train stage's vLLM server,"
+            if online(cfg)
+            else "a vLLM server,"
+        )
         p.add(
             "extract backend",
-            f"vLLM server, extract_hidden_states with eagle_aux_hidden_state_layer_ids {ext}, "
+            f"{who} extract_hidden_states with eagle_aux_hidden_state_layer_ids "
+            f"{ext}, "
             f"chunked prefill and prefix caching off, {x.concurrency} requests in flight, "
             f"{x.max_retries} retries per sample",
         )
@@ -197,6 +243,10 @@ def plan(p: Plan, view: PlanView) -> None:
     prepared = view.cached_metrics("prepare")
     tokens = int(prepared["tokens"]) if prepared else None
     tokens_est = tokens or cfg.data.num_samples * cfg.data.max_seq_len
+    bound = "" if tokens else " (upper bound: num_samples x max_seq_len)"
+    if online(cfg):
+        _plan_online(p, view, tokens_est, bound, {storage: bpt, other: bpt_other})
+        return
     stored, free = bpt * tokens_est, free_bytes(view.output_root)
     need = stored
     if storage == "fp8" and cfg.extract.backend == "vllm":
@@ -207,24 +257,31 @@ def plan(p: Plan, view: PlanView) -> None:
     p.numbers.update(bytes_per_token=bpt, hidden_state_bytes=stored, free_bytes=free,
                      **{f"bytes_per_token_{other}": bpt_other})  # fmt: skip
     p.numbers["disk_need.extract"] = need  # named in a disk-full error, should it come
-    bound = "" if tokens else " (upper bound: num_samples x max_seq_len)"
     p.add(
         "hidden states",
         f"{storage}: {fmt_bytes(bpt)}/token x {tokens_est:,} tokens{bound} = {fmt_bytes(stored)} "
-        f"({other}: {fmt_bytes(bpt_other)}/token, {fmt_bytes(bpt_other * tokens_est)}); free at "
-        f"{view.output_root}: {fmt_bytes(free)}",
+        f"({other}: {fmt_bytes(bpt_other)}/token, {fmt_bytes(bpt_other * tokens_est)}; online: "
+        f"nothing stored); free at {view.output_root}: {fmt_bytes(free)}",
     )
+    rate, source = _planned_rate(view)
+    if rate:
+        p.numbers["write_bytes_per_s"] = rate * bpt
+        p.add(
+            "write bandwidth",
+            f"{fmt_bytes(rate * bpt)}/s at {rate:,.0f} tokens/s ({source}); the extraction "
+            f"takes ~{tokens_est / rate / 3600:,.1f} h",
+        )
     if view.actions.get("extract") != "run":
         return
     if need > free:
         fits_other = bpt_other * tokens_est <= free
         key = "extract.storage" if fits_other and storage == "bf16" else "data.num_samples"
         hint = (
-            "extract.storage=fp8 would fit"
+            "extract.storage=fp8 would fit, or extract.mode=online stores nothing"
             if key == "extract.storage"
             else "lower data.num_samples / data.max_seq_len"
             + (", use extract.storage=fp8," if storage == "bf16" else "")
-            + " or move run.output_root"
+            + " train online (extract.mode=online: nothing stored), or move run.output_root"
         )
         p.error(
             key,
@@ -234,6 +291,37 @@ def plan(p: Plan, view: PlanView) -> None:
         )
     elif need > 0.8 * free:
         p.warn("run.output_root", f"extraction will fill {need / free:.0%} of the free disk")
+
+
+def _planned_rate(view: PlanView) -> tuple[float | None, str]:
+    """Extraction throughput for the plan: hardware.extract_tokens_per_s, else what the latest
+    extraction of the same weights on this backend measured."""
+    cfg = view.cfg
+    if cfg.hardware.extract_tokens_per_s:
+        return cfg.hardware.extract_tokens_per_s, "hardware.extract_tokens_per_s"
+    art = view.store.latest("extract")
+    if art is None:
+        return None, ""
+    m = art.manifest
+    same = m.get("config", {}).get("weights") == view.target.facts.weights_id
+    rate = m.get("metrics", {}).get("tokens_per_s")
+    if same and m.get("config", {}).get("backend") == cfg.extract.backend and rate:
+        return float(rate), f"measured by extraction {art.key}"
+    return None, ""
+
+
+def _plan_online(p: Plan, view: PlanView, tokens: int, bound: str, bpt: dict[str, int]) -> None:
+    """Online: nothing on disk; every epoch fetches every sample from the server again."""
+    cfg = view.cfg
+    epochs = cfg.train.epochs
+    p.numbers.update(hidden_state_bytes=0, bytes_per_token=0, **{"disk_need.extract": 0})
+    p.add(
+        "hidden states",
+        f"online: nothing stored; {tokens:,} tokens{bound} fetched from the server each epoch "
+        f"x {epochs} epoch(s) = {tokens * epochs:,} token forwards (offline would forward each "
+        f"token once and store {fmt_bytes(bpt['bf16'] * tokens)} in bf16, "
+        f"{fmt_bytes(bpt['fp8'] * tokens)} in fp8)",
+    )
 
 
 STAGE = Stage(
@@ -246,8 +334,11 @@ STAGE = Stage(
     identities=("tokenizer_id", "weights_id"),
     logged={"layer_stats.json": "extract", "logs": "extract/logs"},
     plan=plan,
+    # Online, the train stage starts (or uses) the server; this stage only records it.
     vllm_features=lambda cfg: (
-        ("eagle3", "extract_hidden_states") if cfg.extract.backend == "vllm" else ()
+        ("eagle3", "extract_hidden_states")
+        if cfg.extract.backend == "vllm" and not online(cfg)
+        else ()
     ),
     # The vLLM backend keeps finished sample files in scratch: a re-run resumes from them.
     resumable=True,

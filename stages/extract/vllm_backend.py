@@ -40,7 +40,7 @@ from runner.integrations.speculators import recording_skips
 from runner.schema import RunnerConfig
 from runner.stage import StageContext
 from runner.target_facts import ModelFacts
-from runner.vllm_server import VllmServer, engine_args, quiet_http_logs
+from runner.vllm_server import ExistingServer, VllmServer, engine_args, quiet_http_logs, serve
 from stages.extract import LayerStats, write_sample
 
 log = logging.getLogger("runner")
@@ -78,7 +78,7 @@ def server_args(cfg: RunnerConfig, facts: ModelFacts, staging: Path) -> list[str
 
 
 def _run_client(
-    server: VllmServer,
+    server: VllmServer | ExistingServer,
     requests_dir: Path,
     out_dir: Path,
     cfg: RunnerConfig,
@@ -162,9 +162,9 @@ def extract(
     # The log lives in scratch while the server runs (kept there if the stage fails), then in
     # the artifact.
     log_path = scratch / "logs" / "vllm_extract.log"
-    server = VllmServer.from_config(
-        cfg, facts.path, server_args(cfg, facts, staging), log_path, label="extract"
-    )
+    # hardware.vllm.endpoint: a server that already runs, checked by the plan; it writes where
+    # it was told to (its own --kv-transfer-config), and the client moves the files here.
+    server = serve(cfg, facts.path, server_args(cfg, facts, staging), log_path, label="extract")
     with server:
         # One sample first: a server that writes the wrong slots fails here, not after every row.
         failed = _run_client(server, requests_dir, done_dir, cfg, max_samples=1)
@@ -221,7 +221,8 @@ def extract(
             src.unlink()
         else:
             shutil.move(src, dst)
-    shutil.copytree(log_path.parent, ctx.out / "logs")
+    if log_path.parent.is_dir():  # none with an existing server: its log is on its machine
+        shutil.copytree(log_path.parent, ctx.out / "logs")
     # Throughput over the rows the main pass computed (not sample 0's probe, not resumed files).
     fresh = sum(len(r) for i, r in enumerate(rows) if i > 0 and f"hs_{i}.safetensors" not in before)
     return {
