@@ -25,6 +25,7 @@ from runner.schema import ModelConfig, RunnerConfig
 from runner.target_layout import TargetLayout, layout_from_config
 
 PACKAGE_PREFIX = "package:"
+MINIATURE_PREFIX = "miniature:"
 LAYOUT_VERSION = "1"  # bump when runner.target_layout changes what a layout holds
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
 _TOKENIZER_FILES = (
@@ -111,6 +112,11 @@ def packaged_model_dir(model_cfg: ModelConfig, output_root: Path) -> Path:
 
 def model_source(model_cfg: ModelConfig, output_root: Path) -> ModelSource:
     source = model_cfg.source
+    if source.startswith(MINIATURE_PREFIX):
+        # Built locally in seconds (runner/miniatures.py), then an ordinary local folder.
+        from runner.miniatures import ensure
+
+        return ModelSource("local", str(ensure(source[len(MINIATURE_PREFIX) :], output_root)))
     if source.startswith(PACKAGE_PREFIX):
         module = source[len(PACKAGE_PREFIX) :]
         if not model_cfg.gguf_file:

@@ -54,6 +54,8 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         **{k: v for k, v in e.items() if k not in _NOT_IN_KEY},
         "weights": facts.weights_id,
         "dtype": cfg.hardware.dtype,
+        # Measured on a server the runner did not start: another measurement than its own.
+        **({"endpoint": cfg.hardware.vllm.endpoint} if cfg.hardware.vllm.endpoint else {}),
     }
 
 

@@ -39,6 +39,7 @@ from runner.integrations.speculators import (
     STOP_SIGNALS,
     chain_requeue,
     check_train_flags,
+    mask_token_id,
     negatable_flags,
     run_training,
 )
@@ -446,6 +447,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if online:
         states.mkdir(exist_ok=True)
     ranks = ctx.cfg.train_ranks()
+    mask = mask_token_id(ctx.facts.path, ctx.facts.vocab_size, ctx.cfg.model.trust_remote_code)
     with _online_server(ctx) as server:
         argv = speculators_argv(
             ctx.cfg,
@@ -454,7 +456,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
             hidden_states=states,
             vocab=ctx.inputs["vocab"].path,
             save_path=save_path,
-            extra=["--logger", "mlflow"] if ctx.tracker is not None else [],
+            extra=[
+                *(["--logger", "mlflow"] if ctx.tracker is not None else []),
+                "--mask-token-id",
+                str(mask),
+            ],
             online=server.url if server is not None else None,
         )
         ctx.manifest["speculators_argv"] = argv

@@ -417,6 +417,32 @@ def resolve_train_config(argv: list[str], slots: tuple[int, ...], quiet: bool = 
         ) from None
 
 
+def mask_token_id(path: str, vocab_size: int, trust_remote_code: bool) -> int:
+    """speculators' own `resolve_mask_token_id` (the value `--mask-token-id` defaults to), reading
+    the tokenizer alone. Without the flag speculators loads the target's AutoProcessor for it,
+    which for a multimodal target (Kimi-K2.5) loads the image processor as well: transformers'
+    needs torchvision, the real model's is remote code; the mask token is the tokenizer's either
+    way. Private API touched: `speculators.train.utils.load_processor` (swapped for the call)."""
+    import speculators.train.utils as su
+    from transformers import AutoTokenizer
+
+    def tokenizer_only(target: str, *, trust_remote_code: bool = False) -> Any:
+        tok = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+        if tok.pad_token is None:  # as speculators' load_processor does
+            tok.pad_token = tok.eos_token
+        return tok
+
+    original = su.load_processor
+    su.load_processor = tokenizer_only
+    try:
+        found = su.resolve_mask_token_id(
+            path, vocab_size, None, trust_remote_code=trust_remote_code
+        )
+        return int(found)
+    finally:
+        su.load_processor = original
+
+
 def run_training(
     argv: list[str], slots: tuple[int, ...], work: Path, device: str | None = None
 ) -> TrainingState:

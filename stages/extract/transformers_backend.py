@@ -33,6 +33,21 @@ from stages.extract import LayerStats, write_sample
 log = logging.getLogger("runner")
 
 
+def load_target(path: str, dtype: Any, trust_remote_code: bool) -> Any:
+    """The target with its LM head: a causal LM, or a multimodal wrapper (Kimi-K2.5's
+    KimiK25ForConditionalGeneration) that transformers registers as image-text-to-text only; the
+    runner finds the text model's layers inside it either way (runner/target_layout.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    kind = AutoModelForCausalLM
+    if type(config) not in AutoModelForCausalLM._model_mapping and not getattr(
+        config, "auto_map", {}
+    ).get("AutoModelForCausalLM"):
+        kind = AutoModelForImageTextToText
+    return kind.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
 class TransformersBackend:
     """In-process Hugging Face forward with hooks on the text model's decoder layers."""
 
@@ -57,14 +72,9 @@ class TransformersBackend:
 
     @classmethod
     def from_config(cls, cfg: RunnerConfig, facts: ModelFacts) -> TransformersBackend:
-        from transformers import AutoModelForCausalLM  # slow import: only when extracting
-
         hw = cfg.hardware
-        model = AutoModelForCausalLM.from_pretrained(
-            facts.path,
-            dtype=getattr(torch, hw.dtype),
-            trust_remote_code=cfg.model.trust_remote_code,
-        ).to(torch.device("cuda" if hw.device == "cuda" else "cpu"))
+        model = load_target(facts.path, getattr(torch, hw.dtype), cfg.model.trust_remote_code)
+        model = model.to(torch.device("cuda" if hw.device == "cuda" else "cpu"))
         return cls(model, facts.extract_ids, facts.num_layers, hw.extract_batch_size)
 
     def _pre_hook(self, lid: int):

@@ -39,9 +39,10 @@ from runner.errors import StageError
 from runner.integrations.speculators import recording_skips
 from runner.schema import RunnerConfig
 from runner.stage import StageContext
+from runner.store import fmt_bytes
 from runner.target_facts import ModelFacts
 from runner.vllm_server import ExistingServer, VllmServer, engine_args, quiet_http_logs, serve
-from stages.extract import LayerStats, write_sample
+from stages.extract import LayerStats, final_slot, write_sample
 
 log = logging.getLogger("runner")
 CPU_CONNECTOR_MODULE = "runner.integrations.vllm_cpu_connector"
@@ -135,6 +136,7 @@ def extract(
     ctx: StageContext, rows: Sequence[Any], out_dir: Path, stats: LayerStats
 ) -> dict[str, Any]:
     cfg, facts = ctx.cfg, ctx.facts
+    e = cfg.extract
     scratch: Path = ctx.scratch
     done_dir = scratch / "hidden_states"  # survives failures: the next run resumes from it
     staging = (
@@ -172,13 +174,23 @@ def extract(
         if failed or not first.exists():
             server.check_alive()
             raise StageError(_failed_samples(failed or {0: "no file written"}, cfg, done_dir))
-        got = load_file(str(first))["hidden_states"].shape
+        states = load_file(str(first))["hidden_states"]
+        got = states.shape
         want = (len(rows[0]), len(facts.extract_ids))
         if tuple(got[:2]) != want:
             raise StageError(
                 f"vLLM wrote hidden states of shape {tuple(got)} for sample 0; expected "
                 f"[{want[0]}, {want[1]}, hidden] for capture ids {list(facts.extract_ids)}"
             )
+        # The last slot must be the pre-norm final state: the target's own norm and head on it
+        # reproduce the server's next tokens (only those two tensors are read from disk).
+        top1 = final_slot.prompt_top1(server, rows[0].tolist(), e.request_timeout_s)
+        selftest = final_slot.check(facts.path, states[:, -1], top1,
+                                    final_slot.norm_eps(facts.path), facts.num_layers)  # fmt: skip
+        log.info("[extract] final-slot self-test passed: %.1f%% of %d decisive positions agree; "
+                 "read %s in %.1f s", 100 * selftest["selftest_next_token_agreement"],
+                 selftest["selftest_positions"], fmt_bytes(selftest["selftest_bytes_read"]),
+                 selftest["selftest_s"])  # fmt: skip
         t0 = time.time()
         failed = _run_client(server, requests_dir, done_dir, cfg, max_samples=None)
         seconds = time.time() - t0
@@ -230,6 +242,7 @@ def extract(
         "seconds": seconds,
         "tokens_per_s": fresh / seconds if seconds > 0 else float("nan"),
         "server_start_s": start_s,
+        **selftest,
         "resumed_samples": len(before),
         "redone_unreadable": len(unreadable),
     }
