@@ -49,6 +49,9 @@ LOCAL_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
 # Reasons a row is dropped before tokenisation (prepare adds its own after it).
 MALFORMED, UNKNOWN_ROLE, NO_ASSISTANT = "malformed", "unknown_role", "no_assistant_turn"
+# A row with media parts under data.multimodal=refuse (counted, then the run stops naming it).
+MULTIMODAL = "multimodal"
+_TEXT_PARTS = ("text", "input_text", "output_text")
 # Bumped when what the fingerprint or the inspection holds changes.
 _CACHE_VERSION = 1
 
@@ -57,28 +60,60 @@ class _Bad(ValueError):
     """A malformed row, with where it is."""
 
 
-def classify_turns(turns: Any) -> tuple[list[dict[str, str]] | None, str | None, str]:
-    """(normalised turns, None, "") for a usable conversation, else (None, reason, detail).
-    ShareGPT {from, value} and OpenAI {role, content} turns both become {role, content}."""
+def _text_of(content: Any) -> tuple[str | None, int]:
+    """(the text, media parts) of a turn's content: a string, or a list of OpenAI-style parts
+    ({"type": "text", "text": ...}, {"type": "image_url", ...}, ...). None: not readable."""
+    if isinstance(content, str):
+        return content, 0
+    if not isinstance(content, list):
+        return None, 0
+    texts, media = [], 0
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") in _TEXT_PARTS:
+            texts.append(str(part.get("text", "")))
+        elif isinstance(part, dict) and part.get("type"):
+            media += 1
+        else:
+            return None, 0
+    return "\n".join(t for t in texts if t), media
+
+
+def classify_turns(
+    turns: Any, drop_media: bool = False
+) -> tuple[list[dict[str, str]] | None, str | None, str, int]:
+    """(normalised turns, None, "", media parts dropped) for a usable conversation, else (None,
+    reason, detail, 0). ShareGPT {from, value} and OpenAI {role, content} turns both become
+    {role, content}; content given as parts keeps its text parts, and its media parts (images,
+    audio, video) make the row MULTIMODAL unless `drop_media`."""
     if not isinstance(turns, list):
-        return None, MALFORMED, f"the conversation is a {type(turns).__name__}, not a list of turns"
+        return (
+            None,
+            MALFORMED,
+            f"the conversation is a {type(turns).__name__}, not a list of turns",
+            0,
+        )
     if not turns:
-        return None, NO_ASSISTANT, "an empty conversation"
-    out = []
+        return None, NO_ASSISTANT, "an empty conversation", 0
+    out, media = [], 0
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            return None, MALFORMED, f"turn {i} is a {type(turn).__name__}, not a record"
+            return None, MALFORMED, f"turn {i} is a {type(turn).__name__}, not a record", 0
         raw_role = turn.get("role", turn.get("from"))
-        content = turn.get("content", turn.get("value"))
-        if raw_role is None or not isinstance(content, str):
-            return None, MALFORMED, f"turn {i} lacks a role/from or a text content/value"
+        content, parts = _text_of(turn.get("content", turn.get("value")))
+        if raw_role is None or content is None:
+            return None, MALFORMED, f"turn {i} lacks a role/from or a text content/value", 0
+        if parts and not drop_media:
+            return None, MULTIMODAL, f"turn {i} has {parts} image/media part(s)", 0
+        media += parts
         role = ROLE_MAP.get(str(raw_role).lower())
         if role is None:
-            return None, UNKNOWN_ROLE, f"turn {i} has role {raw_role!r}"
+            return None, UNKNOWN_ROLE, f"turn {i} has role {raw_role!r}", 0
         out.append({"role": role, "content": content})
     if not any(t["role"] == "assistant" and t["content"].strip() for t in out):
-        return None, NO_ASSISTANT, "no assistant turn with text"
-    return out, None, ""
+        return None, NO_ASSISTANT, "no assistant turn with text", 0
+    return out, None, "", media
 
 
 def normalise_turns(turns: Any) -> list[dict[str, str]] | None:
@@ -231,6 +266,9 @@ class Conversations:
     dropped: Counter = field(default_factory=Counter)
     # (where, reason: detail) of the first few dropped rows, for the message and the manifest
     examples: list[str] = field(default_factory=list)
+    # data.multimodal=drop_media: media parts dropped, and the rows that had them
+    media_dropped: int = 0
+    rows_with_media: int = 0
 
 
 def _hub_rows(data_cfg: DataConfig) -> Iterator[tuple[str, Any]]:
@@ -261,6 +299,8 @@ def read_conversations(data_cfg: DataConfig) -> Conversations:
     out = Conversations(turns=[], rows_read=0)
     saw_field = False
     first_bad: str | None = None
+    first_media: str | None = None
+    drop_media = data_cfg.multimodal == "drop_media"
     records = 0  # rows that are JSON records at all
     for where, row in rows:
         out.rows_read += 1
@@ -275,12 +315,16 @@ def read_conversations(data_cfg: DataConfig) -> Conversations:
                 reason, detail = MALFORMED, f"no {' / '.join(fields)} field"
             else:
                 saw_field = True
-                turns, reason, detail = classify_turns(row[name])
+                turns, reason, detail, media = classify_turns(row[name], drop_media)
                 if turns is not None:
                     out.turns.append(turns)
+                    out.media_dropped += media
+                    out.rows_with_media += bool(media)
                     continue
         if reason == MALFORMED and first_bad is None:
             first_bad = f"{where}: {detail}"
+        if reason == MULTIMODAL and first_media is None:
+            first_media = f"{where}: {detail}"
         out.dropped[reason] += 1
         if len(out.examples) < 5:
             out.examples.append(f"{where}: {reason}: {detail}")
@@ -305,6 +349,13 @@ def read_conversations(data_cfg: DataConfig) -> Conversations:
             f"{out.dropped[MALFORMED]} malformed row(s) of {out.rows_read}, the first at "
             f"{first_bad}. Fix or remove them, or set data.on_bad_row=skip to drop them "
             "(they are counted)",
+        )
+    if first_media is not None:
+        raise ConfigError(
+            "data.multimodal",
+            f"{out.dropped[MULTIMODAL]} row(s) of {source} have image or other media parts, the "
+            f"first at {first_media}. Drafts train on text here: set data.multimodal=drop_media "
+            "to keep their text parts (the dropped parts are counted), or remove those rows",
         )
     if not out.turns:
         raise ConfigError(
@@ -411,13 +462,13 @@ def data_fingerprint(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any]:
 def inspect_local(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any] | None:
     """For a local file: {rows, usable, dropped, examples, sha256}, read as prepare reads it
     (raising the same ConfigError for a malformed row or an unusable file); None for a package
-    or hub source. Remembered per content, column and data.on_bad_row."""
+    or hub source. Remembered per content, column, data.on_bad_row and data.multimodal."""
     path = local_path(data_cfg.source)
     if path is None:
         return None
     cache = _load_cache(cache_dir)
     entry = _file_entry(path, cache)
-    key = f"{entry['sha256']}|{data_cfg.column}|{data_cfg.on_bad_row}"
+    key = f"{entry['sha256']}|{data_cfg.column}|{data_cfg.on_bad_row}|{data_cfg.multimodal}"
     seen = cache.setdefault("inspections", {})
     if key not in seen:
         conv = read_conversations(
@@ -427,6 +478,7 @@ def inspect_local(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any] | Non
                 column=data_cfg.column,
                 shuffle=False,
                 on_bad_row=data_cfg.on_bad_row,
+                multimodal=data_cfg.multimodal,
             )
         )
         seen[key] = {
@@ -434,6 +486,7 @@ def inspect_local(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any] | Non
             "usable": len(conv.turns),
             "dropped": dict(conv.dropped),
             "examples": conv.examples,
+            "media_parts_dropped": conv.media_dropped,
         }
     _save_cache(cache_dir, cache)
     return {**seen[key], "sha256": entry["sha256"]}

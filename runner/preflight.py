@@ -189,6 +189,39 @@ def _engine_lines(
         plan.add("vLLM class", f"{support['cls']}: SupportsEagle3")
 
 
+# Text backbones whose vLLM model (deepseek_v2.py, which Kimi-K2.5 wraps) adds the residual to
+# a captured state unconditionally: capturing id 0 (before any layer, no residual yet) crashes the
+# engine with "unsupported operand type(s) for +: 'Tensor' and 'NoneType'" (vLLM 0.32.0).
+_NO_ID0_BACKBONES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+def _engine_limits(
+    plan: Plan, cfg: RunnerConfig, target: Target, needs: dict[str, tuple[str, ...]]
+) -> None:
+    """What the installed vLLM cannot do with this target, found by running the Kimi-K2.5
+    miniature (runner/miniatures.py) through it, refused before anything loads."""
+    if not needs:
+        return
+    text = target.config.get("text_config") or target.config
+    if 0 in target.facts.extract_ids and text.get("model_type") in _NO_ID0_BACKBONES:
+        plan.error(
+            "model.capture_layers",
+            f"vLLM's {text.get('model_type')} backbone cannot capture id 0 (the embeddings, before "
+            "any layer): it adds a residual that does not exist yet and the engine dies; capture "
+            "from id 1",
+        )
+    mla = bool(text.get("kv_lora_rank"))
+    drafts = [n for n, f in needs.items() if "extract_hidden_states" not in f]
+    if mla and drafts and cfg.hardware.device == "cpu" and not cfg.hardware.vllm.endpoint:
+        plan.error(
+            "run.stages",
+            f"{', '.join(drafts)} serves an EAGLE-3 draft on this MLA target, which vLLM's CPU "
+            "build cannot: the MLA KV cache takes block size 16, the draft's attention a multiple "
+            "of 32 ('No common block size', vLLM 0.32). Evaluate on a GPU (hardware=gpu1, or "
+            "hardware.vllm.endpoint) or leave it out: run.stages=[prepare,extract,vocab,train]",
+        )
+
+
 def _probe_tokens(cfg: RunnerConfig, target: Target) -> list[int] | None:
     """The configured target's ids for the endpoint probe text (None if its tokenizer does not
     load here: then the tokenizers are not compared)."""
@@ -328,6 +361,7 @@ def build_plan(
         _endpoint_lines(plan, cfg, target, {n: f for n, f in needs.items() if f})
     else:
         _engine_lines(plan, cfg, target, users, {f for fs in needs.values() for f in fs})
+    _engine_limits(plan, cfg, target, {n: f for n, f in needs.items() if f})
     plan.add("environment", ", ".join(f"{k}={v}" for k, v in cfg.hardware.env.items()) or "(none)")
     _launcher_lines(plan, output_root)
     _gpu_lines(plan, cfg, any(p.action == "run" for p in planned))

@@ -95,6 +95,13 @@ class OnBadRow(StrEnum):
     skip = "skip"
 
 
+class Multimodal(StrEnum):
+    # A conversation with image (or other media) parts stops the run, naming the row.
+    refuse = "refuse"
+    # Keep each turn's text parts, drop its media parts, and count them.
+    drop_media = "drop_media"
+
+
 # speculators' own choices (speculators/train/config/schema.py, 0.9): checked again against the
 # installed speculators in the plan (stages/train.py).
 class Optimizer(StrEnum):
@@ -314,6 +321,10 @@ class DataConfig:
     # A malformed row (bad JSON, invalid UTF-8, turns that are not a list of role/content
     # records): fail names the file and line; skip drops it and counts it.
     on_bad_row: OnBadRow = OnBadRow.fail
+    # Turns whose content is a list of parts with images, audio or video (OpenAI style, common for
+    # multimodal targets such as Kimi-K2.5). Drafts train on text only: refuse (default) names the
+    # first such row; drop_media trains on the text parts and reports how many parts were dropped.
+    multimodal: Multimodal = Multimodal.refuse
 
     def check(self) -> None:
         _at_least("data.num_samples", self.num_samples, 1)

@@ -208,6 +208,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "truncated_fraction": truncated / n,
         "multi_turn_fraction": multi_turn / n,
         "dropped": all_dropped,
+        # data.multimodal=drop_media: image/media parts dropped (their text parts kept).
+        "media_parts_dropped": read.media_dropped,
+        "rows_with_media": read.rows_with_media,
     }
 
 
@@ -257,7 +260,14 @@ def plan(p: Plan, view: PlanView) -> None:
 def summary(metrics: dict[str, Any], path: Path, _cfg: RunnerConfig) -> list[str]:
     dropped = {k: v for k, v in (metrics.get("dropped") or {}).items() if v}
     what = ", ".join(f"{k} {v}" for k, v in dropped.items()) or "none"
-    return [f"data: {metrics.get('rows')} rows of {metrics.get('rows_read')} read; dropped: {what}"]
+    media = metrics.get("media_parts_dropped")
+    kept = (
+        f"; {media} media parts dropped from {metrics.get('rows_with_media')} rows" if media else ""
+    )
+    return [
+        f"data: {metrics.get('rows')} rows of {metrics.get('rows_read')} read; dropped: {what}"
+        + kept
+    ]
 
 
 STAGE = Stage(

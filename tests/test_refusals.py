@@ -250,3 +250,24 @@ def test_the_command_line_exits_with_the_config_error_code(tmp_path):
     unwritable = _cli(root=Path("/proc/no/such/root"))
     assert unwritable.returncode == 2 and "run.output_root" in unwritable.stderr
     assert "Traceback" not in unwritable.stderr
+
+
+def test_conversations_with_images_are_refused_by_default_or_kept_as_text(tmp_path, tiny_model_dir):
+    """Multimodal rows (OpenAI content parts with images), common for Kimi-K2.5: drafts train on
+    text, so the default names the row; data.multimodal=drop_media keeps the text parts."""
+    image_row = json.dumps({"messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        ]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat on a mat, asleep."}]},
+    ]}).encode() + b"\n"  # fmt: skip
+    data = _write(tmp_path / "mm.jsonl", GOOD * 5 + image_row * 2)
+    refused = _refusal(tiny_model_dir, data, tmp_path)
+    assert refused.key == "data.multimodal"
+    assert "2 row(s)" in refused.message and "mm.jsonl:6" in refused.message
+    assert "turn 0 has 1 image/media part(s)" in refused.message
+    run = run_job(compose(tiny(tiny_model_dir, data, tmp_path, "run.stages=[prepare]",
+                               "data.multimodal=drop_media")))  # fmt: skip
+    m = run.results["prepare"].metrics
+    assert m["rows"] == 7 and (m["media_parts_dropped"], m["rows_with_media"]) == (2, 2)
