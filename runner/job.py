@@ -155,22 +155,24 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
             results = {r.name: r for r in pipeline.run()}
         for r in results.values():
             _log_outputs(tracker, cfg, r)
+        result = JobResult(
+            plan=plan,
+            target=target,
+            results=results,
+            run_id=run_id,
+            tracking_uri=tracker.uri,
+            seconds=time.time() - t_start,
+            objective=_objective(results),
+        )
+        summary = _summary(result, cfg, tracker)
+        # The summary heads the run's page in the MLflow UI.
+        tracker.set_description("```\n" + summary.strip() + "\n```")
     except BaseException as exc:
         # A signal is not a failure of the run's own making: MLflow shows it as KILLED.
         _end_failed(tracker, "KILLED" if as_interrupted(exc) else "FAILED")
         raise
     tracker.end("FINISHED")
-
-    result = JobResult(
-        plan=plan,
-        target=target,
-        results=results,
-        run_id=run_id,
-        tracking_uri=tracker.uri,
-        seconds=time.time() - t_start,
-        objective=_objective(results),
-    )
-    print(_summary(result, cfg, tracker))
+    print(summary)
     return result
 
 
@@ -182,7 +184,10 @@ def rerun_command() -> str:
 
 
 def _run_name(cfg: RunnerConfig) -> str:
-    return cfg.run.name or f"{cfg.model.name}-{cfg.data.name}-{cfg.train.name}"
+    name = cfg.run.name or f"{cfg.model.name}-{cfg.data.name}-{cfg.train.name}"
+    # A sweep's jobs are told apart by their overrides (chart legends show run names).
+    overrides = sweep_job_tags().get("sweep.overrides") if os.environ.get(PARENT_ENV) else None
+    return f"{name} [{overrides}]" if overrides else name
 
 
 def _run_tags(target: Target) -> dict[str, str]:
@@ -222,12 +227,21 @@ def _log_config(tracker: Tracker, cfg: RunnerConfig, target: Target) -> None:
 
 
 def _log_outputs(tracker: Tracker, cfg: RunnerConfig, r: StageResult) -> None:
-    """The files each stage declares (`Stage.logged`), copied or, if large, linked."""
+    """The files each stage declares (`Stage.logged`), copied or, if large, linked; its tables
+    and figures (`Stage.tables`, `Stage.figures`) as MLflow tables and figures."""
     tracker.set_tags({f"path.{r.name}": str(r.path)})
     for rel, folder in r.stage.logged.items():
         path = r.path / rel
         if path.exists():
             tracker.log_or_link(path, folder, cfg.tracking.log_checkpoint_max_mb)
+    try:
+        for name, rows in (r.stage.tables(r.metrics, r.path) if r.stage.tables else {}).items():
+            tracker.log_table(rows, name)
+        for name, fig in (r.stage.figures(r.metrics, r.path) if r.stage.figures else {}).items():
+            tracker.log_figure(fig, name)
+    except Exception as exc:  # a figure is a view of the results: never a reason to fail
+        log.warning("[%s] could not log its tables or figures: %s: %s", r.name,
+                    type(exc).__name__, exc)  # fmt: skip
 
 
 def _end_failed(tracker: Tracker, status: str) -> None:

@@ -248,7 +248,14 @@ class Pipeline:
     ) -> None:
         assert self.tracker is not None
         # Cached stages log their recorded metrics too, so every run holds all of them.
-        self.tracker.log_metrics(manifest.get("metrics", {}), prefix=f"{p.name}/")
+        stage = p.stage
+        metrics = {
+            k: v for k, v in manifest.get("metrics", {}).items()
+            if not (stage.curves and k.startswith(stage.curve_copies))
+        }  # fmt: skip
+        self.tracker.log_metrics(metrics, prefix=f"{p.name}/")
+        if stage.curves and status == "cached" and (art.path / stage.curves).is_file():
+            self.tracker.replay_curves(art.path / stage.curves)
         # Honest cost: wall time this job spent, and what computing the artifact cost once.
         self.tracker.log_metrics(
             {

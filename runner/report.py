@@ -1,6 +1,9 @@
-"""Print a sweep's comparison table from MLflow: `python -m runner.report [PARENT_RUN_ID]`.
+"""Print a sweep's comparison table, or one run's results, from MLflow:
+`python -m runner.report [RUN_ID]`.
 
-Without an id, the newest sweep parent run of the experiment is shown. Options:
+RUN_ID may be a sweep's parent run (its jobs are compared) or any single run (its row alone).
+Without an id, the newest run of the experiment is shown: a sweep parent if it is one. The
+store is only read: a missing one is an error, never created. Options:
     --tracking-uri URI   (default: $MLFLOW_TRACKING_URI, else sqlite:///<output root>/mlflow.db)
     --output-root DIR    (default: $EAGLE3_RUNNER_HOME, else ./outputs)
     --experiment NAME    (default: eagle3)
@@ -13,9 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-import mlflow
-
-from runner.sweep import comparison_rows, render_table
+from runner.sweep import comparison_rows, render_table, run_row
 from runner.tracking import tracking_uri
 
 
@@ -28,31 +29,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-root", default=os.environ.get("EAGLE3_RUNNER_HOME", "outputs"))
     ap.add_argument("--experiment", default="eagle3")
     args = ap.parse_args(argv)
-    uri = tracking_uri(args.tracking_uri, Path(args.output_root).expanduser().resolve())
+    root = Path(args.output_root).expanduser().resolve()
+    uri = tracking_uri(args.tracking_uri, root)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        where = uri[len("sqlite:///") :]
+        print(f"no MLflow store at {where}; run from the folder that holds outputs/, or pass "
+              "--output-root DIR or --tracking-uri URI", file=sys.stderr)  # fmt: skip
+        return 1
+    import mlflow  # seconds to import; after the cheap checks
+
     client = mlflow.MlflowClient(uri)
-    parent = args.parent
-    if parent is None:
+    run_id = args.parent
+    if run_id is None:
         exp = client.get_experiment_by_name(args.experiment)
-        runs = (
+        newest = (
             client.search_runs(
-                [exp.experiment_id],
-                filter_string="tags.`sweep.config` != ''",
-                order_by=["attributes.start_time DESC"],
-                max_results=1,
+                [exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=200
             )
             if exp
             else []
         )
+        # A sweep's jobs are shown through their parent.
+        runs = [r for r in newest if "mlflow.parentRunId" not in r.data.tags]
         if not runs:
-            print(f"no sweep found in experiment {args.experiment!r} at {uri}", file=sys.stderr)
+            print(f"no run in experiment {args.experiment!r} at {uri}", file=sys.stderr)
             return 1
-        parent = runs[0].info.run_id
-    run = client.get_run(parent)
-    print(
-        f"sweep {run.data.tags.get('sweep.config', '?')} ({parent}, {run.info.status}): "
-        f"{run.data.tags.get('sweep.overrides', '')}"
-    )
-    print(render_table(comparison_rows(client, parent)))
+        run_id = runs[0].info.run_id
+    run = client.get_run(run_id)
+    tags = run.data.tags
+    if "sweep.config" in tags:
+        print(f"sweep {tags.get('sweep.config', '?')} ({run_id}, {run.info.status}): "
+              f"{tags.get('sweep.overrides', '')}")  # fmt: skip
+        print(render_table(comparison_rows(client, run_id)))
+    else:
+        print(f"run {tags.get('mlflow.runName', '')} ({run_id}, {run.info.status})")
+        print(render_table([run_row(run, [])]))
+        note = tags.get("mlflow.note.content")
+        if note:
+            print(note.strip("`\n"))
     return 0
 
 

@@ -94,8 +94,21 @@ class Stage:
     logged: Mapping[str, str] = field(default_factory=dict)
     # (metrics, artifact path, cfg) -> lines of the end-of-run summary.
     summary: Callable[[dict[str, Any], Path, RunnerConfig], list[str]] | None = None
-    # (metrics) -> sweep-comparison columns, derived from what the metrics hold.
+    # (metrics) -> sweep-comparison columns, derived from the run's MLflow metrics under
+    # "<name>/" (prefix removed) and under each of `also_reads` ("val/loss" -> "val_loss").
     columns: Callable[[Mapping[str, float]], dict[str, float | None]] | None = None
+    also_reads: tuple[str, ...] = ()
+    # Curves a library logs into the run while the stage computes (a JSONL of step records in the
+    # artifact, e.g. speculators' train/loss and val/loss_epoch): a run that reuses the artifact
+    # replays them, so every run shows the same series. Metrics of the stage starting with
+    # `curve_copies` repeat those curves' last values and are not logged again.
+    curves: str | None = None
+    curve_copies: tuple[str, ...] = ()
+    # (metrics, artifact path) -> {artifact file: rows (list of dicts)}, logged with
+    # mlflow.log_table so that the UI shows them as tables.
+    tables: Callable[[Mapping[str, Any], Path], dict[str, list[dict[str, Any]]]] | None = None
+    # (metrics, artifact path) -> {artifact file: matplotlib figure}, logged with mlflow.log_figure.
+    figures: Callable[[Mapping[str, Any], Path], dict[str, Any]] | None = None
     # (plan, view) -> adds this stage's lines and problems to the preflight plan.
     plan: Callable[[Plan, PlanView], None] | None = None
     # (cfg) -> the vLLM features this stage needs when it runs (empty: it starts no server):

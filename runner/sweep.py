@@ -110,9 +110,11 @@ class SweepCallback(Callback):
         client = mlflow.MlflowClient(uri)
         rows = comparison_rows(client, parent)
         failed = [r["run_id"] for r in rows if r["status"] != "FINISHED"]
-        log_comparison(client, parent, rows)
+        log_comparison(client, parent, rows, swept_keys(client.get_run(parent).data.tags))
         print(render_table(rows))
         client.set_terminated(parent, status="FAILED" if failed else "FINISHED")
+        ui = f"open {uri}" if uri.startswith("http") else f"mlflow ui --backend-store-uri {uri}"
+        print(f"sweep parent run {parent} (its children are the jobs; compare them there): {ui}")
         if failed:
             print(f"{len(failed)} sweep job(s) failed: {failed}", file=sys.stderr)
             # SystemExit passes through Hydra's callback wrapper (it catches Exception only).
@@ -127,31 +129,45 @@ def comparison_rows(client: Any, parent_id: str) -> list[dict[str, Any]]:
         order_by=["attributes.start_time ASC"],
         max_results=1000,
     )
-    swept = list(json.loads(parent.data.tags.get("sweep.params", "{}")))
-    swept += [k for k in _swept_keys(parent.data.tags.get("sweep.overrides", "")) if k not in swept]
+    swept = swept_keys(parent.data.tags)
+    return _same_columns([run_row(child, swept) for child in children])
+
+
+def run_row(child: Any, swept: list[str]) -> dict[str, Any]:
+    """One run's row of the comparison: its swept settings, capture ids and the stages' columns
+    from its MLflow metrics."""
     stages = registry()
-    rows = []
-    for child in children:
-        p, m, t = child.data.params, child.data.metrics, child.data.tags
-        row: dict[str, Any] = {
-            "job": t.get("sweep.job", ""),
-            "run_id": child.info.run_id,
-            "status": child.info.status,
-        }
-        for key in swept:
-            row[key] = p.get(key, "")
-        row["capture_ids"] = p.get("resolved.capture_ids_vllm", "")
-        for stage in stages:
-            if stage.columns is not None:
-                prefix = f"{stage.name}/"
-                mine = {k[len(prefix) :]: v for k, v in m.items() if k.startswith(prefix)}
-                row.update(stage.columns(mine))
-        names = [s.name for s in stages]
-        row["computed"] = ",".join(s for s in names if t.get(f"stage.{s}") == "computed")
-        row["job_s"] = sum(m.get(f"time/{s}_s", 0.0) for s in names)
-        row["alone_s"] = sum(m.get(f"time/{s}_compute_cost_s", 0.0) for s in names)
-        rows.append(row)
-    return _same_columns(rows)
+    p, m, t = child.data.params, child.data.metrics, child.data.tags
+    row: dict[str, Any] = {
+        "job": t.get("sweep.job", ""),
+        "run_id": child.info.run_id,
+        "status": child.info.status,
+    }
+    for key in swept:
+        row[key] = p.get(key, "")
+    row["capture_ids"] = p.get("resolved.capture_ids_vllm", "")
+    for stage in stages:
+        if stage.columns is not None:
+            prefix = f"{stage.name}/"
+            mine = {k[len(prefix) :]: v for k, v in m.items() if k.startswith(prefix)}
+            for other in stage.also_reads:
+                name = other.rstrip("/") + "_"
+                mine.update({name + k[len(other) :]: v for k, v in m.items()
+                             if k.startswith(other)})  # fmt: skip
+            row.update(stage.columns(mine))
+    names = [s.name for s in stages]
+    row["computed"] = ",".join(s for s in names if t.get(f"stage.{s}") == "computed")
+    row["job_s"] = sum(m.get(f"time/{s}_s", 0.0) for s in names)
+    row["alone_s"] = sum(m.get(f"time/{s}_compute_cost_s", 0.0) for s in names)
+    return row
+
+
+def swept_keys(parent_tags: dict[str, str]) -> list[str]:
+    """The settings a sweep varies: its sweep config's params, then its command line's."""
+    swept = list(json.loads(parent_tags.get("sweep.params", "{}")))
+    return swept + [
+        k for k in _swept_keys(parent_tags.get("sweep.overrides", "")) if k not in swept
+    ]
 
 
 def _swept_keys(overrides: str) -> list[str]:
@@ -196,6 +212,8 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         return " | ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True))
 
     out = [line(cols), "-+-".join("-" * w for w in widths), *(line(r) for r in cells)]
+    if len(rows) == 1:
+        return "\n".join(out)
     total_job = sum(r["job_s"] for r in rows)
     total_alone = sum(r["alone_s"] for r in rows)
     out.append(
@@ -204,7 +222,9 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def log_comparison(client: Any, parent_id: str, rows: list[dict[str, Any]]) -> None:
+def log_comparison(
+    client: Any, parent_id: str, rows: list[dict[str, Any]], swept: list[str] | None = None
+) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (d / "comparison.json").write_text(json.dumps(rows, indent=1, default=str))
@@ -214,7 +234,7 @@ def log_comparison(client: Any, parent_id: str, rows: list[dict[str, Any]]) -> N
                 w = csv.DictWriter(fh, fieldnames=list(rows[0]))
                 w.writeheader()
                 w.writerows(rows)
-            _plot(rows, d / "acceptance.png")
+            _plot(rows, d / "acceptance.png", swept or [])
         client.log_artifacts(parent_id, str(d))
     best = [r for r in rows if r.get("acceptance_length") is not None]
     if best:
@@ -226,7 +246,25 @@ def log_comparison(client: Any, parent_id: str, rows: list[dict[str, Any]]) -> N
     client.log_metric(parent_id, "alone_time_s", sum(r["alone_s"] for r in rows))
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+def _x_axis(rows: list[dict[str, Any]], swept: list[str]) -> tuple[str, str, str | None]:
+    """(x column, its label, series column): the swept setting, capture layers shown as their
+    ids; a second swept setting (the draft vocab size first) makes the series."""
+    keys = [k for k in swept if k in rows[0]]
+    series = next((k for k in keys if k == "train.draft_vocab_size"), None)
+    others = [k for k in keys if k != series]
+    if not others:
+        if series is not None:
+            return series, series, None
+        return "capture_ids", "capture ids (vLLM convention)", None
+    x = others[0]
+    if "capture" in x:  # a preset or layer list: the ids it resolved to say more
+        return "capture_ids", f"capture ids (vLLM convention; {x})", series
+    if series is None and len(others) > 1:
+        series = others[1]
+    return x, x, series
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, swept: list[str]) -> None:
     import matplotlib  # a second to import; only the end of a sweep plots
 
     matplotlib.use("Agg")
@@ -237,8 +275,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         if any(r.get("acceptance_length") is not None for r in rows)
         else "val_loss"
     )
-    x_key = "capture_ids"
-    series_key = "train.draft_vocab_size" if "train.draft_vocab_size" in rows[0] else None
+    x_key, x_label, series_key = _x_axis(rows, swept)
     xs = list(dict.fromkeys(r[x_key] for r in rows))
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
@@ -252,11 +289,11 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
                 [p[0] for p in pts],
                 [p[1] for p in pts],
                 marker="o",
-                label=f"draft vocab {name}" if series_key else name,
+                label=f"{series_key} {name}" if series_key else name,
             )
     ax.set_xticks(range(len(xs)))
     ax.set_xticklabels(xs, rotation=15, fontsize=8)
-    ax.set_xlabel("capture ids (vLLM convention)")
+    ax.set_xlabel(x_label)
     ax.set_ylabel(metric.replace("_", " "))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -12,6 +12,7 @@ Browse with the command `Tracker.ui_command()` returns, e.g.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -223,6 +224,23 @@ class Tracker:
         if clean:
             self.mlflow.log_metrics(clean, step=step)
 
+    def replay_curves(self, path: Path) -> None:
+        """Step records ({"step": n, "train/loss": x, ...} per line) logged again as the series
+        they were, for a run that reuses the artifact that holds them."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = []
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            step = int(record.pop("step", None) or 0)
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    batch.append(Metric(k, float(v), now, step))
+        client = self.mlflow.MlflowClient(self.uri)
+        for i in range(0, len(batch), 1000):
+            client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+
     def set_tags(self, tags: Mapping[str, str]) -> None:
         self.mlflow.set_tags({k: str(v)[:5000] for k, v in tags.items()})
 
@@ -244,6 +262,21 @@ class Tracker:
         log.info(
             "%s is %.0f MB > tracking.log_checkpoint_max_mb; linked, not copied", path, size_mb
         )
+
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        data = {c: [r.get(c) for r in rows] for c in columns}
+        self.mlflow.log_table(data=data, artifact_file=artifact_file)
+
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        import matplotlib.pyplot as plt
+
+        self.mlflow.log_figure(figure, artifact_file)
+        plt.close(figure)
+
+    def set_description(self, text: str) -> None:
+        """The run's description (markdown), shown at the top of its page in the MLflow UI."""
+        self.mlflow.set_tag("mlflow.note.content", text)
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.mlflow.log_text(text, artifact_file)

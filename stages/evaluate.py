@@ -327,6 +327,41 @@ def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
     }
 
 
+def tables(_metrics: Mapping[str, Any], path: Path) -> dict[str, list[dict[str, Any]]]:
+    table = path / "eval_table.json"
+    return {"evaluate/prompts.json": json.loads(table.read_text())} if table.is_file() else {}
+
+
+def figures(metrics: Mapping[str, Any], _path: Path) -> dict[str, Any]:
+    """Acceptance by draft position, the trained draft against the random one (when measured)
+    and the teacher-forced estimate."""
+    positions = _positions(metrics)
+    if not positions:
+        return {}
+    import matplotlib  # a second to import; only when a run logs its figures
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = [p for p, _ in positions]
+    ax.bar([x - 0.2 for x in xs], [v for _, v in positions], width=0.4, label="served draft")
+    rand = [metrics.get(f"random_acceptance_pos_{p}") for p in xs]
+    if all(v is not None for v in rand):
+        ax.bar([x + 0.2 for x in xs], rand, width=0.4, label="random draft")
+    tf = [metrics.get(f"teacher_forced_full_acc_{p}") for p in xs]
+    if all(v is not None for v in tf):
+        ax.plot(xs, tf, "k--o", label="teacher-forced estimate")
+    ax.set_xticks(xs, [str(x + 1) for x in xs])
+    ax.set_xlabel("draft position (share of drafts accepted up to it)")
+    ax.set_ylabel("acceptance rate")
+    ax.set_title(f"acceptance length {metrics.get('acceptance_length', float('nan')):.3f}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return {"evaluate/acceptance_by_position.png": fig}
+
+
 def plan(p: Plan, view: PlanView) -> None:
     cfg = view.cfg
     if view.actions.get("evaluate") != "run":
@@ -359,6 +394,8 @@ STAGE = Stage(
     logged={"eval_table.json": "evaluate", "summary.json": "evaluate", "logs": "evaluate/logs"},
     summary=summary,
     columns=columns,
+    tables=tables,
+    figures=figures,
     vllm_features=lambda cfg: ("eagle3",),
     objective="acceptance_length",
     plan=plan,

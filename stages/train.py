@@ -707,7 +707,8 @@ def summary(metrics: dict[str, Any], path: Path, _cfg: RunnerConfig) -> list[str
 
 
 def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
-    return {"train_loss": metrics.get("final_loss"), "val_loss": metrics.get("val_loss_epoch")}
+    # speculators' own curves: train/loss (its last value) and val/loss_epoch.
+    return {"train_loss": metrics.get("loss"), "val_loss": metrics.get("val_loss_epoch")}
 
 
 STAGE = Stage(
@@ -721,6 +722,11 @@ STAGE = Stage(
     logged={"draft": "draft", "metrics.jsonl": "train", "logs": "train/logs"},
     summary=summary,
     columns=columns,
+    also_reads=("val/",),
+    # speculators logs train/* and val/* while training; the manifest's final_*, val_* and
+    # first_loss repeat their last values.
+    curves="metrics.jsonl",
+    curve_copies=("final_", "val_", "first_loss"),
     plan=plan,
     # Online, training fetches states from a vLLM server (extract.mode=online).
     vllm_features=lambda cfg: (

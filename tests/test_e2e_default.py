@@ -137,6 +137,13 @@ def test_mlflow_run_holds_everything(runs):
         "draft/config.json",
         "draft/model.safetensors",
     }
+    # The eval prompts as an MLflow table, acceptance by position as a figure, no settings or
+    # repeated values among the metrics, the summary as the description.
+    ev = {a.path for a in client.list_artifacts(run.info.run_id, "evaluate")}
+    assert {"evaluate/prompts.json", "evaluate/acceptance_by_position.png"} <= ev
+    assert not any(k.startswith(("dflash", "draft.", "train/final_", "train/val_"))
+                   for k in run.data.metrics)  # fmt: skip
+    assert "acceptance length" in run.data.tags["mlflow.note.content"]
 
 
 def test_the_draft_beats_a_random_one(runs):

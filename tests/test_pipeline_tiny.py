@@ -133,6 +133,18 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(first_run):
     assert run.data.tags["artifact.extract"] == result.results["extract"].key
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config", "manifests", "vocab", "draft"} <= arts
+    # speculators' settings are params under "speculators.", not one-point metrics, and only
+    # for the draft method trained; no metric repeats another.
+    assert not any(k.startswith(("speculators", "draft.", "trainer.", "dflash")) for k in m)
+    assert run.data.params["speculators.speculator_type"] == "eagle3"
+    assert not any(k.startswith(("speculators.dflash", "speculators.peagle")) for k in
+                   run.data.params)  # fmt: skip
+    assert not any(k.startswith(("train/final_", "train/val_")) for k in m)
+    # Per-layer statistics as one figure, the summary as the run's description.
+    assert "extract/layer_stats.png" in {
+        a.path for a in client.list_artifacts(run.info.run_id, "extract")
+    }
+    assert "draft checkpoint:" in run.data.tags["mlflow.note.content"]
 
 
 def test_second_run_reuses_every_stage(first_run, tiny_model_dir, chats_jsonl):

@@ -71,6 +71,15 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     arts = {a.path for a in client.list_artifacts(parent)}
     assert {"comparison.csv", "comparison.md", "comparison.json", "acceptance.png"} <= arts
     assert "sweep time" in stdout
+    # Child runs are named after their overrides, so chart legends tell them apart; the end
+    # of the sweep names the parent run and how to browse it.
+    mine = f"tags.mlflow.parentRunId = '{parent}'"
+    children = client.search_runs([exp.experiment_id], filter_string=mine)
+    names = {c.info.run_name for c in children}
+    assert len(names) == 9
+    assert any("model.capture_preset=late" in n and "train.draft_vocab_size=4096" in n
+               for n in names)  # fmt: skip
+    assert f"sweep parent run {parent}" in stdout and "mlflow ui --backend-store-uri" in stdout
 
 
 def test_report_prints_the_table_from_mlflow(sweep):

@@ -281,6 +281,47 @@ class MetricCapture(logging.Handler):
                     fh.write(json.dumps(entry) + "\n")
 
 
+# Sections of speculators' resolved settings that belong to other draft methods than the one
+# trained (speculators 0.9 logs all of them).
+_OTHER_METHODS = ("dflash", "dflash2", "dspark", "xpress", "peagle", "mtp")
+
+
+class SettingsAsParams(logging.Filter):
+    """On speculators' MLflow handler: its resolved settings (the record it logs with
+    `hparams=True`, `log_run_config`) become MLflow params under "speculators.", not 65
+    one-point metrics; sections for draft methods this run does not train are left out. Every
+    other record (the training curves) passes to the handler unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "hparams", False) or not isinstance(record.msg, dict):
+            return True
+        settings = dict(record.msg)
+        kind = settings.get("speculator_type")
+        for section in _OTHER_METHODS:
+            if section != kind:
+                settings.pop(section, None)
+        try:
+            import mlflow  # the handler's own run: MLFLOW_RUN_ID or the active run
+
+            flat = _flat(settings, "speculators.")
+            items = [(k, str(v)[:6000]) for k, v in flat.items()]
+            for i in range(0, len(items), 100):
+                mlflow.log_params(dict(items[i : i + 100]))
+        except Exception as exc:
+            log.warning("could not log speculators' settings as MLflow params: %s", exc)
+        return False
+
+
+def _flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 @contextmanager
 def capture_metrics(path: Path | None = None) -> Iterator[MetricCapture]:
     """Collect the metric records of one speculators training call (and append them to
@@ -292,7 +333,11 @@ def capture_metrics(path: Path | None = None) -> Iterator[MetricCapture]:
 
     def setup_then_capture(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)  # dictConfig: our handler must come after it
-        logging.getLogger("speculators.metrics").addHandler(capture)
+        metrics_log = logging.getLogger("speculators.metrics")
+        for handler in metrics_log.handlers:
+            if type(handler).__name__ == "MLFlowHandler":
+                handler.addFilter(SettingsAsParams())
+        metrics_log.addHandler(capture)
         return result
 
     cli.setup_metric_logger = setup_then_capture

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -324,6 +325,27 @@ def _plan_online(p: Plan, view: PlanView, tokens: int, bound: str, bpt: dict[str
     )
 
 
+def figures(metrics: Mapping[str, Any], _path: Path) -> dict[str, Any]:
+    """Per-layer statistics of the captured states across layers, in layer order (vLLM ids)."""
+    layers = sorted({int(k.split("/")[0][6:]) for k in metrics if k.startswith("layer_")})
+    if not layers:
+        return {}
+    import matplotlib  # a second to import; only when a run logs its figures
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3.2))
+    for ax, stat in zip(axes, ("rms", "max_abs", "nonfinite_fraction"), strict=True):
+        ax.plot(layers, [metrics[f"layer_{i}/{stat}"] for i in layers], "o-")
+        ax.set_xticks(layers)
+        ax.set_xlabel("capture id (vLLM convention)")
+        ax.set_title(stat.replace("_", " "))
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return {"extract/layer_stats.png": fig}
+
+
 STAGE = Stage(
     name="extract",
     key_config=key_config,
@@ -333,6 +355,7 @@ STAGE = Stage(
     libraries={"torch": ("torch",), "transformers": ("transformers",)},
     identities=("tokenizer_id", "weights_id"),
     logged={"layer_stats.json": "extract", "logs": "extract/logs"},
+    figures=figures,
     plan=plan,
     # Online, the train stage starts (or uses) the server; this stage only records it.
     vllm_features=lambda cfg: (
