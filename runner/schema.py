@@ -157,6 +157,10 @@ class ModelConfig:
     source: str = MISSING
     # GGUF file inside a "package:" source; converted once to a plain HF folder.
     gguf_file: str | None = None
+    # The target's Hugging Face id, recorded in the draft's config as its verifier so that the
+    # draft loads and serves on another machine (the local path stays in the runner's section).
+    # null: the source itself when it is a hub id, else the local path.
+    hub_id: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
     # Auxiliary capture layers (vLLM convention, final layer excluded). null = the preset below.

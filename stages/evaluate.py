@@ -237,6 +237,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         )
     work = ctx.scratch
     logs = work / "logs"  # copied into the artifact at the end; kept in scratch if the stage fails
+    ctx.manifest["served"] = {"target": ctx.facts.path, "draft": str(draft)}
     spec = _serve(cfg, ctx.facts, draft, prompts, "draft", logs)
     metrics = acceptance(spec["counters"])
     new_tokens = sum(len(t) for t in spec["token_ids"])
@@ -296,20 +297,44 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return metrics
 
 
-def summary(metrics: dict[str, Any], _path: Path, cfg: RunnerConfig) -> list[str]:
+def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:
     acc = metrics.get("acceptance_length")
     if acc is None:
         return []
-    per_pos = [f"{v:.3f}" for _, v in _positions(metrics)]
+    per_pos = " / ".join(f"{v:.3f}" for _, v in _positions(metrics))
     same = metrics.get("identical_to_target_fraction")
     lines = [
         f"acceptance length {acc:.3f} (k={cfg.eval.num_speculative_tokens}, per position "
         f"{per_pos}, {metrics.get('prompts')} prompts"
         + (f", identical to target: {same:.0%})" if same is not None else ")")
     ]
+    extra = []
     if "random_acceptance_length" in metrics:
-        lines.append(f"random draft acceptance length {metrics['random_acceptance_length']:.3f}")
-    return lines
+        extra.append(f"random draft {metrics['random_acceptance_length']:.3f}")
+    if "teacher_forced_acceptance_length" in metrics:
+        extra.append(f"teacher-forced estimate {metrics['teacher_forced_acceptance_length']:.3f}")
+    if "speedup" in metrics:
+        extra.append(f"speed {metrics['speedup']:.2f}x the target alone")
+    if extra:
+        lines.append(", ".join(extra))
+    return [*lines, f"serve it: {serve_command(cfg, path)}"]
+
+
+def serve_command(cfg: RunnerConfig, path: Path) -> str:
+    """The command that serves the target with the evaluated draft on this machine as the
+    evaluation did (the same engine flags: dtype, context, and on CPU the memory settings)."""
+    import shlex
+
+    from runner.vllm_server import DEFAULT_COMMAND
+
+    try:
+        served = json.loads((path / "manifest.json").read_text())["served"]
+    except (OSError, ValueError, KeyError):
+        return "(see the evaluation's manifest)"
+    base = list(cfg.hardware.vllm.command) or list(DEFAULT_COMMAND)
+    extra = [str(a) for a in cfg.hardware.vllm.extra_args]
+    args = server_args(cfg, Path(served["draft"]))
+    return shlex.join([*base, "--model", served["target"], "--port", "8000", *args, *extra])
 
 
 def _positions(metrics: Mapping[str, Any]) -> list[tuple[int, float]]:

