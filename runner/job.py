@@ -70,6 +70,11 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _job_log_handlers() -> list[logging.Handler]:
+    """The log files Hydra's job logging writes (`<run dir>/__main__.log`), if any."""
+    return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+
+
 def _setup_logging() -> None:
     root = logging.getLogger("runner")
     if not root.handlers:
@@ -78,6 +83,19 @@ def _setup_logging() -> None:
         root.addHandler(h)
         root.setLevel(logging.INFO)
         root.propagate = False
+    # The runner's lines belong in Hydra's job log too, beside the libraries' (each job of a
+    # sweep has its own file: the previous job's is replaced).
+    for h in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(h)
+    for h in _job_log_handlers():
+        root.addHandler(h)
+
+
+def _echo(text: str) -> None:
+    """Print `text` (the plan, the summary) and write it to Hydra's job log as well."""
+    print(text, flush=True)
+    for h in _job_log_handlers():
+        h.handle(logging.LogRecord("runner", logging.INFO, __file__, 0, text, None, None))
 
 
 @contextlib.contextmanager
@@ -134,7 +152,7 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
         pipeline = Pipeline(cfg, target.facts, store, rerun_command=rerun_command())
         planned = pipeline.plan()
         plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, output_root)
-        print(plan.render(), flush=True)
+        _echo(plan.render())
         log.info("preflight took %.2f s since start", time.time() - t_start)
         plan.raise_first_error()
         if cfg.run.plan_only:
@@ -172,7 +190,7 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
         _end_failed(tracker, "KILLED" if as_interrupted(exc) else "FAILED")
         raise
     tracker.end("FINISHED")
-    print(summary)
+    _echo(summary)
     return result
 
 
@@ -270,6 +288,10 @@ def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> str:
     for r in result.results.values():
         if r.stage.summary is not None:
             lines += [f"  {line}" for line in r.stage.summary(r.metrics, r.path, cfg)]
+    # Where the logs ended up (while a stage runs they are in its work folder, removed after).
+    logs = [str(r.path / "logs") for r in result.results.values() if (r.path / "logs").is_dir()]
+    if logs:
+        lines.append(f"  logs: {', '.join(logs)}")
     lines.append(f"  MLflow run {result.run_id}: {tracker.ui_command()}")
     return "\n".join(lines)
 

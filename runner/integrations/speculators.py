@@ -52,6 +52,8 @@ from runner.versions import lib_version
 # that says which ("0,2,4").
 SLOT_BACKEND = "runner-slots"
 SLOTS_ENV = "EAGLE3_RUNNER_SLOTS"
+# Seconds between the training progress lines.
+PROGRESS_EVERY_S = 30.0
 # speculators' data-generation client logs each sample it gives up on with this line.
 _SKIPPED = re.compile(r"Skipping sample (\d+) due to error: (.*)")
 GENERATE_LOGGER = "speculators.cli.generate_offline_data"
@@ -82,6 +84,27 @@ class TrainingState:
 # Signals that mean "checkpoint and stop": Ctrl-C, a scheduler's cancel, Slurm's warning before a
 # time limit (sent through submitit).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class _Progress:
+    """A line per PROGRESS_EVERY_S seconds while training: steps done of the epoch, rate and
+    time left. The runner's log is a file or a pipe, where speculators' live progress bar shows
+    only at the end of an epoch."""
+
+    def __init__(self, epoch: int, epochs: int, steps: int, start: int) -> None:
+        self.epoch, self.epochs, self.steps, self.first = epoch, epochs, steps, start
+        self.t0 = self.last = time.time()
+
+    def step(self, at: int) -> None:
+        now = time.time()
+        if now - self.last < PROGRESS_EVERY_S or at >= self.steps:
+            return
+        self.last = now
+        rate = (at - self.first) / (now - self.t0)
+        left = (self.steps - at) / rate if rate > 0 else float("nan")
+        log.info("[train] epoch %d/%d, step %d/%d (%.0f%%), %.2f steps/s, epoch ends in %s",
+                 self.epoch + 1, self.epochs, at, self.steps, 100 * at / self.steps, rate,
+                 time.strftime("%M:%S", time.gmtime(left)) if left == left else "?")  # fmt: skip
 
 
 @contextmanager
@@ -167,10 +190,13 @@ def runner_training(state: TrainingState, device: str | None = None) -> Iterator
         def train_epoch(self, epoch: int, *, step_callback: Any = None) -> Any:
             start = getattr(self, "_resume_local_step", 0)  # read before speculators resets it
             done = 0
+            progress = _Progress(epoch, self.config.num_epochs, len(self.train_loader), start)
 
             def on_step() -> None:
                 nonlocal done
                 done += 1
+                if getattr(self, "rank", 0) == 0:
+                    progress.step(start + done)
                 if step_callback is not None:
                     step_callback()
                 state.epoch, state.local_step = epoch, start + done
@@ -338,6 +364,9 @@ def capture_metrics(path: Path | None = None) -> Iterator[MetricCapture]:
             if type(handler).__name__ == "MLFlowHandler":
                 handler.addFilter(SettingsAsParams())
         metrics_log.addHandler(capture)
+        # Its per-step dicts go to MLflow and metrics.jsonl, not to the console (they were half
+        # of a run's log); the runner prints a progress line instead.
+        metrics_log.propagate = False
         return result
 
     cli.setup_metric_logger = setup_then_capture
@@ -346,6 +375,7 @@ def capture_metrics(path: Path | None = None) -> Iterator[MetricCapture]:
     finally:
         cli.setup_metric_logger = original
         logging.getLogger("speculators.metrics").removeHandler(capture)
+        logging.getLogger("speculators.metrics").propagate = True
 
 
 def register_slot_backend() -> None:
