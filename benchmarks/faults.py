@@ -71,7 +71,12 @@ def main() -> int:
         for i in range(600):
             conv = [dict(t, content=f"{t['content']} ({i})") for t in CONVERSATIONS[i % 3]]
             fh.write(json.dumps({"messages": conv}) + "\n")
-    slow = ("data.num_samples=600", "hardware.extract_batch_size=1", "train.max_steps=30")
+    slow = (
+        "data.num_samples=600",
+        "hardware.extract_batch_size=1",
+        "train.max_steps=30",
+        "train.echo_steps=true",
+    )  # the per-step records, where the trigger is
     rows = []
 
     def row(fault, where, code, message, status, left, rerun):

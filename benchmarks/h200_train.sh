@@ -31,7 +31,7 @@ part2)
   bench train --gpus 2 --steps "$STEPS" "${MEM[@]}" > "$OUT/train2.log" 2>&1
   tail -1 "$OUT/train2.log" | tee -a "$OUT/results.jsonl"
   # kill -9 of one rank mid-epoch, then the same command resumes.
-  ARGS=(--gpus 2 --steps 40 "${MEM[@]}" train.checkpoint_every=0.25)
+  ARGS=(--gpus 2 --steps 40 "${MEM[@]}" train.checkpoint_every=0.25 train.echo_steps=true)
   bench train "${ARGS[@]}" > "$OUT/killed.log" 2>&1 &
   until grep -q "global_step': 2[2-9]" /tmp/bench/out/scratch/train-*/logs/train.log 2>/dev/null; do
     sleep 2; done

@@ -426,6 +426,9 @@ class TrainConfig:
     # Seconds the trainer gets, after SIGTERM / SIGUSR1 / Ctrl-C, to reach a step boundary and
     # save its checkpoint before it is killed.
     stop_timeout_s: int = 600
+    # Print speculators' per-step metric records on the console too (they always go to MLflow
+    # and to the work folder's metrics.jsonl; the console gets a progress line every 30 s).
+    echo_steps: bool = False
     # Any further speculators train flag, e.g. {norm_before_fc: true}.
     extra_args: dict[str, Any] = field(default_factory=dict)
 

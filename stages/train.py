@@ -35,6 +35,7 @@ from typing import Any
 
 from runner.errors import StageError
 from runner.integrations.speculators import (
+    ECHO_STEPS_ENV,
     SLOT_BACKEND,
     STOP_SIGNALS,
     chain_requeue,
@@ -57,7 +58,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Settings that change how fast or how safely training runs, not what it produces (the number
 # of ranks does change it: it enters the key as "ranks").
 _NOT_IN_KEY = ("name", "num_workers", "log_freq", "num_gpus", "cpu_processes", "checkpoint_every",
-               "stop_timeout_s")  # fmt: skip
+               "stop_timeout_s", "echo_steps")  # fmt: skip
 # What a resumable checkpoint holds beside the draft; not published.
 _RESUME_ONLY = ("optimizer_state_dict.pt", "scheduler_state_dict.pt")
 
@@ -441,6 +442,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     (work / "attempts.json").write_text(json.dumps(history))
     for stale in (work / "outcome.json", *work.glob("memory_rank*.json")):
         stale.unlink(missing_ok=True)
+    # Read by the training call (and inherited by torchrun's ranks); the job restores the
+    # environment afterwards.
+    os.environ[ECHO_STEPS_ENV] = "1" if ctx.cfg.train.echo_steps else "0"
     online = ctx.cfg.extract.mode == "online"
     # Online, nothing is read from disk: an empty folder, so speculators fetches every sample.
     states = work / "no_stored_states" if online else ctx.inputs["extract"].path / "hidden_states"

@@ -87,8 +87,10 @@ def many_chats(tmp_path_factory) -> Path:
 def test_a_signal_ends_the_run_cleanly_and_the_same_command_continues(
     tiny_model_dir, many_chats, tmp_path, sig, code, stage, trigger
 ):
+    # train.echo_steps: speculators' per-step records on the console, where the trigger is.
     cmd = _cmd(tiny_model_dir, many_chats, tmp_path, "data.num_samples=600",
-               "hardware.extract_batch_size=1", "train.max_steps=30")  # fmt: skip
+               "hardware.extract_batch_size=1", "train.max_steps=30",
+               "train.echo_steps=true")  # fmt: skip
     got, out = run_until(cmd, trigger, sig)
     assert got == code, out[-3000:]
     name = signal.Signals(sig).name

@@ -34,7 +34,7 @@ LOSS_RTOL = 0.01
 def _command(model_dir, chats, root, *extra):
     base = tiny_overrides(model_dir, chats, root, "model.capture_layers=[0,2,3]",
                           "train.max_steps=null", "train.epochs=3", "train.checkpoint_every=0.25",
-                          *extra)  # fmt: skip
+                          "train.echo_steps=true", *extra)  # fmt: skip
     return [sys.executable, "-m", "runner", *base]
 
 

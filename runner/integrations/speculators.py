@@ -54,6 +54,8 @@ SLOT_BACKEND = "runner-slots"
 SLOTS_ENV = "EAGLE3_RUNNER_SLOTS"
 # Seconds between the training progress lines.
 PROGRESS_EVERY_S = 30.0
+# "1": speculators' per-step records also go to the console (train.echo_steps).
+ECHO_STEPS_ENV = "EAGLE3_RUNNER_ECHO_STEPS"
 # speculators' data-generation client logs each sample it gives up on with this line.
 _SKIPPED = re.compile(r"Skipping sample (\d+) due to error: (.*)")
 GENERATE_LOGGER = "speculators.cli.generate_offline_data"
@@ -365,8 +367,8 @@ def capture_metrics(path: Path | None = None) -> Iterator[MetricCapture]:
                 handler.addFilter(SettingsAsParams())
         metrics_log.addHandler(capture)
         # Its per-step dicts go to MLflow and metrics.jsonl, not to the console (they were half
-        # of a run's log); the runner prints a progress line instead.
-        metrics_log.propagate = False
+        # of a run's log); the runner prints a progress line instead (train.echo_steps: both).
+        metrics_log.propagate = os.environ.get(ECHO_STEPS_ENV) == "1"
         return result
 
     cli.setup_metric_logger = setup_then_capture
