@@ -140,6 +140,29 @@ def problems(
             f"{tokens[:8]}...: it serves another model; point hardware.vllm.endpoint at a server "
             "of this target, or choose the served model with model=...",
         )
+    spec = _spec(info)
+    # A server set up for the other job (extraction vs a draft) is the one thing to fix first.
+    if info.config is not None and spec.get("method") != need:
+        recipe = (
+            "--speculative-config with method extract_hidden_states and the capture ids, and "
+            "--kv-transfer-config with a hidden-states connector (the README's two-box recipe)"
+            if need == EXTRACTION
+            else "--speculative-config with method eagle3 and the trained draft"
+        )
+        err(
+            "hardware.vllm.endpoint",
+            f"runs speculative method {spec.get('method')!r}; this stage needs {need!r}: "
+            f"restart it with {recipe}",
+        )
+        return out
+    if info.config is None and need == DRAFT and info.spec_positions == 0:
+        err(
+            "hardware.vllm.endpoint",
+            "counts no speculative decoding in /metrics: it serves no draft; start it with "
+            '--speculative-config \'{"method": "eagle3", "model": <the draft>, '
+            '"num_speculative_tokens": k}\'',
+        )
+        return out
     if info.max_model_len is not None and info.max_model_len < min_model_len:
         err(
             len_key,
@@ -147,16 +170,8 @@ def problems(
             f"stage sends up to {min_model_len}: lower {len_key} or restart the server with "
             f"--max-model-len {min_model_len}",
         )
-    spec = _spec(info)
     if info.config is None:
-        if need == DRAFT and info.spec_positions == 0:
-            err(
-                "hardware.vllm.endpoint",
-                "counts no speculative decoding in /metrics: it serves no draft; start it with "
-                '--speculative-config \'{"method": "eagle3", "model": <the draft>, '
-                '"num_speculative_tokens": k}\'',
-            )
-        elif need == DRAFT and k is not None and info.spec_positions != k:
+        if need == DRAFT and k is not None and info.spec_positions != k:
             err(
                 "eval.num_speculative_tokens",
                 f"proposes {info.spec_positions} draft tokens (per-position counters in /metrics)"
@@ -171,20 +186,6 @@ def problems(
                 if need == EXTRACTION
                 else ""
             ),
-        )
-        return out
-    method = spec.get("method")
-    if method != need:
-        recipe = (
-            "--speculative-config with method extract_hidden_states and the capture ids, and "
-            "--kv-transfer-config with a hidden-states connector (the README's two-box recipe)"
-            if need == EXTRACTION
-            else "--speculative-config with method eagle3 and the trained draft"
-        )
-        err(
-            "hardware.vllm.endpoint",
-            f"runs speculative method {method!r}; this stage needs {need!r}: restart it with "
-            f"{recipe}",
         )
         return out
     if need == EXTRACTION and not (info.config.get("kv_transfer_config") or {}).get("kv_connector"):

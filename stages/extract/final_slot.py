@@ -101,6 +101,16 @@ def prompt_top1(server: Any, ids: list[int], timeout: float) -> list[int]:
         model=server.model_id, prompt=ids, max_tokens=1, timeout=timeout,
         extra_body={"prompt_logprobs": 1},
     )  # fmt: skip
+    # An extraction server writes this request's states too: remove them (on a server the
+    # runner did not start they would stay in its shared folder).
+    written = (out.model_extra or {}).get("kv_transfer_params") or {}
+    if written.get("hidden_states_path"):
+        from hs_connectors.transfer import wait_for_lock
+
+        path = Path(written["hidden_states_path"])
+        if Path(f"{path}.lock").exists():
+            wait_for_lock(f"{path}.lock")
+        path.unlink(missing_ok=True)
     per_pos = out.choices[0].model_extra.get("prompt_logprobs") or []
     return [
         int(min(d.items(), key=lambda kv: kv[1].get("rank", 1 << 30))[0]) for d in per_pos[1:] if d
