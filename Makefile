@@ -25,7 +25,7 @@ fmt: setup  ## Format the code and apply ruff's safe fixes
 test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (~4 min)
 	@$(call timed,$(PY) -m pytest -q -m "not e2e and not vllm and not faults",fast tests)
 
-test-slow: setup  ## Slow lanes: end to end on the reduced default, vLLM parity, fault injection (~18 min)
+test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lane, fault injection (~28 min)
 	@$(call timed,$(PY) -m pytest -q -m "e2e or vllm or faults",slow lanes)
 
 test: setup lint test-fast test-slow  ## Everything CI runs: lint, fast tests, then the slow lanes
