@@ -1,0 +1,170 @@
+"""Publish a trained draft as a folder ready for the Hugging Face Hub, with a model card:
+`python -m runner.publish OUT [--run RUN_ID] [--repo-id ORG/NAME] [--push]`.
+
+Without --run, the newest top-level run of the experiment that trained a draft is used. OUT gets
+the draft's files (readable by all) and README.md: the base model, the data, the capture ids and
+their convention, the vocabulary sizes, the acceptance the runner measured (set, k, per
+position), the exact vLLM serve command and the training command. --push uploads OUT to
+--repo-id with huggingface_hub (which needs the network and a token; nothing else here does).
+OUT is written beside itself and renamed into place; an existing non-empty OUT is refused.
+Options: --output-root DIR (default $EAGLE3_RUNNER_HOME, else ./outputs), --tracking-uri URI,
+--experiment NAME (default eagle3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from runner.tracking import tracking_uri
+
+
+def _find_run(client: Any, experiment: str, run_id: str | None) -> Any:
+    if run_id:
+        return client.get_run(run_id)
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"],
+                              max_results=200) if exp else []  # fmt: skip
+    for run in runs:
+        if "path.train" in run.data.tags and run.info.status == "FINISHED":
+            return run
+    return None
+
+
+def model_card(run: Any, draft_config: dict[str, Any], repo: str) -> str:
+    """README.md for the published folder, from the run's params, metrics and the draft's own
+    config."""
+    p, m = run.data.params, run.data.metrics
+    ours = draft_config.get("eagle3_runner", {})
+    base = ours.get("target_hub_id") or ours.get("target_local_path") or p.get("model.source")
+    k = int(p.get("eval.num_speculative_tokens", "3"))
+    spec = {"method": "eagle3", "model": repo, "num_speculative_tokens": k}
+    serve = shlex.join(["vllm", "serve", str(base), "--speculative-config", json.dumps(spec)])
+    if p.get("model.trust_remote_code") == "True":
+        serve += " --trust-remote-code"
+    positions = sorted((int(key.rsplit("_", 1)[1]), v) for key, v in m.items()
+                       if key.startswith("evaluate/acceptance_pos_"))  # fmt: skip
+    if "evaluate/acceptance_length" in m:
+        per_pos = " / ".join(f"{v:.3f}" for _, v in positions)
+        random = m.get("evaluate/random_acceptance_length")
+        acceptance = (
+            f"| {p.get('eval.prompts')} ({int(m.get('evaluate/prompts', 0))} prompts) | {k} | "
+            f"{m['evaluate/acceptance_length']:.3f} | {per_pos} | "
+            f"{'-' if random is None else f'{random:.3f}'} |"
+        )
+    else:
+        acceptance = "| not evaluated | | | | |"
+    front = {"base_model": base, "library_name": "speculators",
+             "tags": ["speculative-decoding", "eagle3", "speculators", "vllm"]}  # fmt: skip
+    front_yaml = "\n".join(
+        f"{k_}: {json.dumps(v)}" if not isinstance(v, list) else f"{k_}:\n" +
+        "\n".join(f"  - {x}" for x in v) for k_, v in front.items()
+    )  # fmt: skip
+    aux = draft_config.get("eagle_aux_hidden_state_layer_ids")
+    vocab = f"{draft_config.get('draft_vocab_size')} of {p.get('resolved.vocab_size')}"
+    rows = f"{int(m.get('prepare/rows', 0))} rows of up to {p.get('data.max_seq_len')} tokens"
+    recipe = (f"{p.get('train.epochs')} epoch(s), lr {p.get('train.lr')}, "
+              f"{p.get('train.optimizer')}, {p.get('train.ttt_steps')} TTT steps")  # fmt: skip
+    table = "\n".join([
+        "| | |", "|---|---|",
+        f"| target | {base} ({ours.get('target_num_layers')} decoder layers) |",
+        f"| capture ids | {ours.get('capture_ids')}: {ours.get('layer_id_convention')} |",
+        f"| aux layer ids (`eagle_aux_hidden_state_layer_ids`) | {aux} |",
+        f"| draft vocabulary | {vocab} target tokens |",
+        f"| data | {p.get('data.name')} ({p.get('data.source')}), {rows} |",
+        f"| training | {recipe} |",
+    ])  # fmt: skip
+    return f"""---
+{front_yaml}
+---
+
+# EAGLE-3 draft for {base}
+
+Trained by eagle3-runner (MLflow run `{run.info.run_id}`) with speculators
+{draft_config.get("speculators_version", "?")}.
+
+{table}
+
+## Acceptance measured by the runner (served by vLLM, greedy)
+
+| prompts | k | acceptance length | per position | random draft |
+|---|---|---|---|---|
+{acceptance}
+
+## Serve with vLLM
+
+```bash
+{serve}
+```
+
+## Training command (as speculators recorded it)
+
+See `train_command.txt`.
+"""
+
+
+def publish(run: Any, out: Path, repo: str | None) -> Path:
+    draft = Path(run.data.tags["path.train"]) / "draft"
+    if not (draft / "config.json").is_file():
+        raise FileNotFoundError(f"no draft in {draft} (run {run.info.run_id})")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty")
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(draft, tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    (tmp / "README.md").write_text(model_card(run, config, repo or str(out.resolve())))
+    for f in tmp.iterdir():
+        f.chmod(0o644)
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m runner.publish",
+                                 description=__doc__.splitlines()[0])  # fmt: skip
+    ap.add_argument("out", help="the folder to write (must not exist, or be empty)")
+    ap.add_argument("--run", help="MLflow run id (default: the newest run that trained a draft)")
+    ap.add_argument("--repo-id", help="hub repository id, used in the card's serve command")
+    ap.add_argument("--push", action="store_true", help="upload the folder to --repo-id")
+    ap.add_argument("--tracking-uri")
+    ap.add_argument("--output-root", default=os.environ.get("EAGLE3_RUNNER_HOME", "outputs"))
+    ap.add_argument("--experiment", default="eagle3")
+    args = ap.parse_args(argv)
+    if args.push and not args.repo_id:
+        ap.error("--push needs --repo-id")
+    uri = tracking_uri(args.tracking_uri, Path(args.output_root).expanduser().resolve())
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        print(f"no MLflow store at {uri[len('sqlite:///'):]}; pass --output-root or "
+              "--tracking-uri", file=sys.stderr)  # fmt: skip
+        return 1
+    import mlflow  # seconds to import; after the cheap checks
+
+    run = _find_run(mlflow.MlflowClient(uri), args.experiment, args.run)
+    if run is None:
+        print(f"no finished run with a trained draft in {uri}", file=sys.stderr)
+        return 1
+    try:
+        out = publish(run, Path(args.out), args.repo_id)
+    except (FileNotFoundError, FileExistsError) as exc:
+        print(f"publish: {exc}", file=sys.stderr)
+        return 1
+    print(f"published the draft of run {run.info.run_id} to {out} (model card: {out}/README.md)")
+    if args.push:
+        from huggingface_hub import HfApi
+
+        HfApi().upload_folder(folder_path=str(out), repo_id=args.repo_id, repo_type="model")
+        print(f"uploaded to https://huggingface.co/{args.repo_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
