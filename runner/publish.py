@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.tracking import tracking_uri
+from runner.tracking import missing_store, tracking_uri
 
 
 def _find_run(client: Any, experiment: str, run_id: str | None) -> Any:
@@ -60,12 +60,10 @@ def model_card(run: Any, draft_config: dict[str, Any], repo: str) -> str:
         )
     else:
         acceptance = "| not evaluated | | | | |"
-    front = {"base_model": base, "library_name": "speculators",
-             "tags": ["speculative-decoding", "eagle3", "speculators", "vllm"]}  # fmt: skip
-    front_yaml = "\n".join(
-        f"{k_}: {json.dumps(v)}" if not isinstance(v, list) else f"{k_}:\n" +
-        "\n".join(f"  - {x}" for x in v) for k_, v in front.items()
-    )  # fmt: skip
+    front_yaml = "\n".join([
+        f"base_model: {json.dumps(base)}", "library_name: speculators", "tags:",
+        *(f"  - {t}" for t in ("speculative-decoding", "eagle3", "speculators", "vllm")),
+    ])  # fmt: skip
     aux = draft_config.get("eagle_aux_hidden_state_layer_ids")
     vocab = f"{draft_config.get('draft_vocab_size')} of {p.get('resolved.vocab_size')}"
     rows = f"{int(m.get('prepare/rows', 0))} rows of up to {p.get('data.max_seq_len')} tokens"
@@ -142,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.push and not args.repo_id:
         ap.error("--push needs --repo-id")
     uri = tracking_uri(args.tracking_uri, Path(args.output_root).expanduser().resolve())
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
-        print(f"no MLflow store at {uri[len('sqlite:///'):]}; pass --output-root or "
-              "--tracking-uri", file=sys.stderr)  # fmt: skip
+    problem = missing_store(uri)
+    if problem:
+        print(problem, file=sys.stderr)
         return 1
     import mlflow  # seconds to import; after the cheap checks
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from runner.sweep import comparison_rows, render_table, run_row
-from runner.tracking import tracking_uri
+from runner.tracking import missing_store, tracking_uri
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,10 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     root = Path(args.output_root).expanduser().resolve()
     uri = tracking_uri(args.tracking_uri, root)
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
-        where = uri[len("sqlite:///") :]
-        print(f"no MLflow store at {where}; run from the folder that holds outputs/, or pass "
-              "--output-root DIR or --tracking-uri URI", file=sys.stderr)  # fmt: skip
+    problem = missing_store(uri)
+    if problem:
+        print(problem, file=sys.stderr)
         return 1
     import mlflow  # seconds to import; after the cheap checks
 

@@ -131,6 +131,15 @@ def check_store(uri: str, timeout_s: float) -> str | None:
     return None
 
 
+def missing_store(uri: str) -> str | None:
+    """For a read-only command (report, publish): why the store at `uri` is not there (a SQLite
+    file that does not exist: opening it would create an empty one), or None."""
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        return (f"no MLflow store at {uri[len('sqlite:///'):]}; run from the folder that holds "
+                "outputs/, or pass --output-root DIR or --tracking-uri URI")  # fmt: skip
+    return None
+
+
 class Tracker:
     def __init__(self, tracking_cfg: TrackingConfig, output_root: Path):
         import mlflow  # seconds to import; only runs that track need it

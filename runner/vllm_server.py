@@ -171,6 +171,17 @@ class ExistingServer(_ServerApi):
         return None
 
 
+def command_line(
+    cfg: RunnerConfig, model_path: str, args: Sequence[str], port: int, host: str = "127.0.0.1"
+) -> list[str]:
+    """How the runner launches vLLM (`hardware.vllm.command`, else this environment's
+    api_server): the model, host and port, the stage's flags, then `hardware.vllm.extra_args`."""
+    v = cfg.hardware.vllm
+    base = list(v.command) or list(DEFAULT_COMMAND)
+    return [*base, "--model", str(model_path), "--host", host, "--port", str(port), *args,
+            *[str(a) for a in v.extra_args]]  # fmt: skip
+
+
 def serve(
     cfg: RunnerConfig,
     model_path: str,
@@ -213,7 +224,7 @@ class VllmServer(_ServerApi):
             label=f"vllm:{label}",
             stop_timeout_s=stop_timeout_s,
             cwd=cwd,
-            # Everything while it loads; afterwards only what needs attention.
+            # Milestones while it loads; afterwards only what needs attention.
             echo=lambda line: _echo_line(line, self._ready.is_set()),
         )
 
@@ -230,18 +241,7 @@ class VllmServer(_ServerApi):
         """A server for `model_path` with `args`; `env` adds to the environment last (e.g. the
         GPUs it may use)."""
         v = cfg.hardware.vllm
-        base = list(v.command) or list(DEFAULT_COMMAND)
-        command = [
-            *base,
-            "--model",
-            str(model_path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(free_port()),
-            *args,
-            *[str(a) for a in v.extra_args],
-        ]
+        command = command_line(cfg, model_path, args, free_port())
         env = {
             **os.environ,
             **{k: str(x) for k, x in cfg.hardware.env.items()},

@@ -38,6 +38,7 @@ from runner.versions import VLLM_DISTS
 from runner.vllm_server import (
     ExistingServer,
     VllmServer,
+    command_line,
     counters_delta,
     engine_args,
     quiet_http_logs,
@@ -325,16 +326,12 @@ def serve_command(cfg: RunnerConfig, path: Path) -> str:
     evaluation did (the same engine flags: dtype, context, and on CPU the memory settings)."""
     import shlex
 
-    from runner.vllm_server import DEFAULT_COMMAND
-
     try:
         served = json.loads((path / "manifest.json").read_text())["served"]
     except (OSError, ValueError, KeyError):
         return "(see the evaluation's manifest)"
-    base = list(cfg.hardware.vllm.command) or list(DEFAULT_COMMAND)
-    extra = [str(a) for a in cfg.hardware.vllm.extra_args]
     args = server_args(cfg, Path(served["draft"]))
-    return shlex.join([*base, "--model", served["target"], "--port", "8000", *args, *extra])
+    return shlex.join(command_line(cfg, served["target"], args, port=8000))
 
 
 def _positions(metrics: Mapping[str, Any]) -> list[tuple[int, float]]:

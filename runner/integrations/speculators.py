@@ -331,23 +331,13 @@ class SettingsAsParams(logging.Filter):
         try:
             import mlflow  # the handler's own run: MLFLOW_RUN_ID or the active run
 
-            flat = _flat(settings, "speculators.")
+            flat = flatten(settings, "speculators.")
             items = [(k, str(v)[:6000]) for k, v in flat.items()]
             for i in range(0, len(items), 100):
                 mlflow.log_params(dict(items[i : i + 100]))
         except Exception as exc:
             log.warning("could not log speculators' settings as MLflow params: %s", exc)
         return False
-
-
-def _flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 @contextmanager
