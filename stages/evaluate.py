@@ -25,12 +25,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runner.assets import load_prompts
+from runner.assets import load_prompt_sets
 from runner.checks import target_context
 from runner.errors import StageError
 from runner.integrations.speculators import resolve_train_config
 from runner.preflight import Plan
-from runner.schema import RunnerConfig
+from runner.schema import RunnerConfig, prompt_set_name
 from runner.stage import PlanView, Stage, StageContext
 from runner.store import damage
 from runner.target_facts import ModelFacts
@@ -38,11 +38,11 @@ from runner.versions import VLLM_DISTS
 from runner.vllm_server import (
     ExistingServer,
     VllmServer,
-    command_line,
     counters_delta,
     engine_args,
     quiet_http_logs,
     serve,
+    shell_command,
 )
 
 log = logging.getLogger("runner")
@@ -115,16 +115,17 @@ def _serve(
     cfg: RunnerConfig,
     facts: ModelFacts,
     draft: Path | None,
-    prompts: list[str],
+    sets: dict[str, list[str]],
     label: str,
     logs: Path,
-) -> dict:
-    """Start a server for the target (with `draft` if given), generate, read its counters, and
-    stop it."""
+) -> tuple[float, dict[str, dict]]:
+    """Start a server for the target (with `draft` if given), generate each prompt set in turn
+    (its counters read around it), and stop it. Returns the start-up seconds and, per set, the
+    outputs and counters."""
     log.info(
-        "[evaluate] %s: %d prompts on a vLLM server (its log: logs/vllm_%s.log)",
+        "[evaluate] %s: %s on a vLLM server (its log: logs/vllm_%s.log)",
         label,
-        len(prompts),
+        ", ".join(f"{len(p)} {name} prompts" for name, p in sets.items()),
         label,
     )
     server = serve(
@@ -134,36 +135,38 @@ def _serve(
         logs / f"vllm_{label}.log",
         label=f"evaluate:{label}",
     )
+    out: dict[str, dict] = {}
     # (`logs` is in the stage's scratch folder: a failed evaluation keeps its servers' logs there.)
     with server:
-        before = server.spec_decode_counters()
-        t0 = time.time()
-        with quiet_http_logs():
-            outs = asyncio.run(_generate_all(server, prompts, cfg))
-        gen_s = time.time() - t0
-        # Counters are cumulative since start; the difference is exactly these prompts.
-        counters = (
-            counters_delta(server.spec_decode_counters(), before) if draft is not None else None
-        )
-    if any(o.choices[0].token_ids is None for o in outs):
-        # Without them "identical to the target" would compare empty lists.
-        raise StageError(
-            "vLLM returned no generated token ids (request field return_token_ids); this vLLM is "
-            "too "
-            "old for the evaluation, see hardware.vllm.command"
-        )
-    if counters is not None and counters["drafts"] == 0:
-        raise StageError(
-            f"vLLM served the draft but counted no speculative drafts; see {server.log_path}"
-        )
-    return {
-        "start_s": server.start_s,
-        "generate_s": gen_s,
-        "token_ids": [list(o.choices[0].token_ids) for o in outs],
-        "texts": [o.choices[0].message.content or "" for o in outs],
-        "prompt_tokens": [o.usage.prompt_tokens for o in outs],
-        "counters": counters,
-    }
+        for name, prompts in sets.items():
+            before = server.spec_decode_counters()
+            t0 = time.time()
+            with quiet_http_logs():
+                outs = asyncio.run(_generate_all(server, prompts, cfg))
+            gen_s = time.time() - t0
+            # Counters are cumulative since start; the difference is exactly these prompts.
+            counters = (
+                counters_delta(server.spec_decode_counters(), before) if draft is not None else None
+            )
+            if any(o.choices[0].token_ids is None for o in outs):
+                # Without them "identical to the target" would compare empty lists.
+                raise StageError(
+                    "vLLM returned no generated token ids (request field return_token_ids); this "
+                    "vLLM is too old for the evaluation, see hardware.vllm.command"
+                )
+            if counters is not None and counters["drafts"] == 0:
+                raise StageError(
+                    f"vLLM served the draft but counted no speculative drafts on {name}; see "
+                    f"{server.log_path}"
+                )
+            out[name] = {
+                "generate_s": gen_s,
+                "token_ids": [list(o.choices[0].token_ids) for o in outs],
+                "texts": [o.choices[0].message.content or "" for o in outs],
+                "prompt_tokens": [o.usage.prompt_tokens for o in outs],
+                "counters": counters,
+            }
+    return server.start_s, out
 
 
 def _random_draft(train_manifest: dict, dest: Path) -> Path:
@@ -222,10 +225,15 @@ def teacher_forced(train_metrics: dict[str, Any], k: int) -> dict[str, Any]:
     return out
 
 
+def _tokens_per_s(result: dict) -> float:
+    return sum(len(t) for t in result["token_ids"]) / result["generate_s"]
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.cfg
     e = cfg.eval
-    prompts = load_prompts(e)
+    sets = load_prompt_sets(e)
+    first = next(iter(sets))  # the run's own figures (and objective); the others by name
     train_art = ctx.inputs["train"]
     draft = train_art.path / "draft"
     # A draft is served only if every byte is what training published (hashed in full: it is
@@ -238,57 +246,70 @@ def run(ctx: StageContext) -> dict[str, Any]:
         )
     work = ctx.scratch
     logs = work / "logs"  # copied into the artifact at the end; kept in scratch if the stage fails
-    ctx.manifest["served"] = {"target": ctx.facts.path, "draft": str(draft)}
-    spec = _serve(cfg, ctx.facts, draft, prompts, "draft", logs)
-    metrics = acceptance(spec["counters"])
-    new_tokens = sum(len(t) for t in spec["token_ids"])
-    metrics.update(
-        {
-            "prompts": len(prompts),
-            "generated_tokens": new_tokens,
-            "spec_tokens_per_s": new_tokens / spec["generate_s"],
-            "server_start_s": spec["start_s"],
-        }
-    )
-    identical: list[bool | None] = [None] * len(prompts)
+    ctx.manifest["served"] = {
+        "target": ctx.facts.path,
+        "draft": str(draft),
+        # What a user pastes to serve it as measured (publish rewrites the draft's path).
+        "serve_command": shell_command(cfg, ctx.facts.path, server_args(cfg, draft)),
+    }
+    ctx.manifest["prompt_sets"] = {name: len(p) for name, p in sets.items()}
+    start_s, spec = _serve(cfg, ctx.facts, draft, sets, "draft", logs)
+    metrics: dict[str, Any] = {"server_start_s": start_s}
+    for name, result in spec.items():
+        # The first set's figures are the run's own; another set's carry its name as a prefix.
+        pre = "" if name == first else f"{name}/"
+        measured = acceptance(result["counters"])
+        if name != first:
+            keep = ("acceptance_length", "draft_acceptance_rate")
+            measured = {k: v for k, v in measured.items() if k in keep or "_pos_" in k}
+        metrics.update({f"{pre}{k}": v for k, v in measured.items()})
+        metrics[f"{pre}prompts"] = len(sets[name])
+        metrics[f"{pre}generated_tokens"] = sum(len(t) for t in result["token_ids"])
+        metrics[f"{pre}spec_tokens_per_s"] = _tokens_per_s(result)
+    identical: dict[str, list[bool | None]] = {n: [None] * len(p) for n, p in sets.items()}
     # A server that already runs (hardware.vllm.endpoint) serves one configuration, the draft's:
     # the target alone and a random draft would need servers of their own (the plan says so).
     existing = cfg.hardware.vllm.endpoint is not None
     if existing:
         ctx.manifest["served_by"] = cfg.hardware.vllm.endpoint
     if e.compare_target and not existing:
-        target = _serve(cfg, ctx.facts, None, prompts, "target", logs)
-        identical = [a == b for a, b in zip(spec["token_ids"], target["token_ids"], strict=True)]
-        metrics["identical_to_target_fraction"] = sum(identical) / len(identical)
-        metrics["target_tokens_per_s"] = (
-            sum(len(t) for t in target["token_ids"]) / target["generate_s"]
-        )
-        metrics["speedup"] = metrics["spec_tokens_per_s"] / metrics["target_tokens_per_s"]
-        if not all(identical):
-            bad = [i for i, ok in enumerate(identical) if not ok]
+        _, target = _serve(cfg, ctx.facts, None, sets, "target", logs)
+        for name, result in target.items():
+            pre = "" if name == first else f"{name}/"
+            pairs = zip(spec[name]["token_ids"], result["token_ids"], strict=True)
+            identical[name] = [a == b for a, b in pairs]
+            metrics[f"{pre}target_tokens_per_s"] = _tokens_per_s(result)
+            metrics[f"{pre}speedup"] = _tokens_per_s(spec[name]) / _tokens_per_s(result)
+        flat = [ok for name in sets for ok in identical[name]]
+        metrics["identical_to_target_fraction"] = sum(flat) / len(flat)
+        if not all(flat):
+            bad = [(n, i) for n in sets for i, ok in enumerate(identical[n]) if not ok]
             log.warning(
                 "[evaluate] %d of %d outputs differ from the target's own greedy output "
-                "(prompts %s); "
-                "bf16 kernels with different batch shapes can flip near-tied tokens",
+                "(set, prompt: %s); bf16 kernels with different batch shapes can flip near-tied "
+                "tokens",
                 len(bad),
-                len(identical),
+                len(flat),
                 bad[:10],
             )
     if e.random_baseline and not existing:
+        # On the first set only: a floor, not a figure to compare across sets.
         rand = _random_draft(train_art.manifest, work / "random_draft")
-        rnd = _serve(cfg, ctx.facts, rand, prompts, "random_draft", logs)
-        for k, v in acceptance(rnd["counters"]).items():
+        _, rnd = _serve(cfg, ctx.facts, rand, {first: sets[first]}, "random_draft", logs)
+        for k, v in acceptance(rnd[first]["counters"]).items():
             metrics[f"random_{k}"] = v
     metrics.update(teacher_forced(train_art.manifest.get("metrics", {}), e.num_speculative_tokens))
     table = [
         {
+            "set": name,
             "index": i,
             "prompt": p[:300],
-            "prompt_tokens": spec["prompt_tokens"][i],
-            "new_tokens": len(spec["token_ids"][i]),
-            "identical_to_target": identical[i],
-            "output": spec["texts"][i],
+            "prompt_tokens": spec[name]["prompt_tokens"][i],
+            "new_tokens": len(spec[name]["token_ids"][i]),
+            "identical_to_target": identical[name][i],
+            "output": spec[name]["texts"][i],
         }
+        for name, prompts in sets.items()
         for i, p in enumerate(prompts)
     ]
     (ctx.out / "eval_table.json").write_text(json.dumps(table, indent=1))
@@ -298,24 +319,35 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return metrics
 
 
+def _set_names(cfg: RunnerConfig) -> list[str]:
+    return [prompt_set_name(p) for p in cfg.eval.prompts]
+
+
 def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:
     acc = metrics.get("acceptance_length")
     if acc is None:
         return []
-    per_pos = " / ".join(f"{v:.3f}" for _, v in _positions(metrics))
+    k = cfg.eval.num_speculative_tokens
     same = metrics.get("identical_to_target_fraction")
-    lines = [
-        f"acceptance length {acc:.3f} (k={cfg.eval.num_speculative_tokens}, per position "
-        f"{per_pos}, {metrics.get('prompts')} prompts"
-        + (f", identical to target: {same:.0%})" if same is not None else ")")
-    ]
+    lines = []
+    for i, name in enumerate(_set_names(cfg)):
+        pre = "" if i == 0 else f"{name}/"
+        if f"{pre}acceptance_length" not in metrics:
+            continue
+        per_pos = " / ".join(f"{v:.3f}" for _, v in _positions(metrics, pre))
+        speed = metrics.get(f"{pre}speedup")
+        lines.append(
+            f"acceptance length {metrics[f'{pre}acceptance_length']:.3f} on {name} (k={k}, "
+            f"per position {per_pos}, {metrics.get(f'{pre}prompts')} prompts"
+            + (f", speed {speed:.2f}x the target alone)" if speed is not None else ")")
+        )
     extra = []
+    if same is not None:
+        extra.append(f"identical to target: {same:.0%}")
     if "random_acceptance_length" in metrics:
         extra.append(f"random draft {metrics['random_acceptance_length']:.3f}")
     if "teacher_forced_acceptance_length" in metrics:
         extra.append(f"teacher-forced estimate {metrics['teacher_forced_acceptance_length']:.3f}")
-    if "speedup" in metrics:
-        extra.append(f"speed {metrics['speedup']:.2f}x the target alone")
     if extra:
         lines.append(", ".join(extra))
     return [*lines, f"serve it: {serve_command(cfg, path)}"]
@@ -324,27 +356,33 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
 def serve_command(cfg: RunnerConfig, path: Path) -> str:
     """The command that serves the target with the evaluated draft on this machine as the
     evaluation did (the same engine flags: dtype, context, and on CPU the memory settings)."""
-    import shlex
-
     try:
         served = json.loads((path / "manifest.json").read_text())["served"]
     except (OSError, ValueError, KeyError):
         return "(see the evaluation's manifest)"
-    args = server_args(cfg, Path(served["draft"]))
-    return shlex.join(command_line(cfg, served["target"], args, port=8000))
+    if "serve_command" in served:
+        return served["serve_command"]
+    return shell_command(cfg, served["target"], server_args(cfg, Path(served["draft"])))
 
 
-def _positions(metrics: Mapping[str, Any]) -> list[tuple[int, float]]:
-    """(position, acceptance) for every draft position the metrics hold, in order."""
-    prefix = "acceptance_pos_"
+def _positions(metrics: Mapping[str, Any], pre: str = "") -> list[tuple[int, float]]:
+    """(position, acceptance) for every draft position the metrics hold (of the set whose
+    prefix is `pre`), in order."""
+    prefix = f"{pre}acceptance_pos_"
     found = [(int(k[len(prefix) :]), v) for k, v in metrics.items() if k.startswith(prefix)]
     return sorted(found)
+
+
+def _other_sets(metrics: Mapping[str, Any]) -> list[str]:
+    """The prompt sets after the first, as their metrics name them ("humaneval/...")."""
+    return sorted({k.split("/", 1)[0] for k in metrics if k.endswith("/acceptance_length")})
 
 
 def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
     return {
         "acceptance_length": metrics.get("acceptance_length"),
         **{f"acc_pos_{i}": v for i, v in _positions(metrics)},
+        **{f"al_{name}": metrics.get(f"{name}/acceptance_length") for name in _other_sets(metrics)},
         "teacher_forced_al": metrics.get("teacher_forced_acceptance_length"),
     }
 
@@ -367,10 +405,16 @@ def figures(metrics: Mapping[str, Any], _path: Path) -> dict[str, Any]:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = [p for p, _ in positions]
-    ax.bar([x - 0.2 for x in xs], [v for _, v in positions], width=0.4, label="served draft")
+    bars = [("served draft", [v for _, v in positions])]
+    bars += [(f"served draft, {name}", [v for _, v in _positions(metrics, f"{name}/")])
+             for name in _other_sets(metrics)]  # fmt: skip
     rand = [metrics.get(f"random_acceptance_pos_{p}") for p in xs]
     if all(v is not None for v in rand):
-        ax.bar([x + 0.2 for x in xs], rand, width=0.4, label="random draft")
+        bars.append(("random draft", rand))
+    width = 0.8 / len(bars)
+    for j, (label, values) in enumerate(bars):
+        offset = (j - (len(bars) - 1) / 2) * width
+        ax.bar([x + offset for x in xs[: len(values)]], values, width=width, label=label)
     tf = [metrics.get(f"teacher_forced_full_acc_{p}") for p in xs]
     if all(v is not None for v in tf):
         ax.plot(xs, tf, "k--o", label="teacher-forced estimate")

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from runner.job import run_job
+from runner.schema import typed
 from tests.conftest import compose
 
 pytestmark = pytest.mark.e2e
@@ -94,6 +95,21 @@ def test_acceptance_is_measured_by_vllm(runs):
     assert [f"acceptance_pos_{i}" for i in range(3)] == sorted(
         k for k in m if k.startswith("acceptance_pos_")
     )
+    # Each prompt set on its own: MT-bench as the run's figures, HumanEval under its name, one
+    # table row per prompt with its set, and one summary line per set.
+    assert m["humaneval/prompts"] == 6 and m["humaneval/generated_tokens"] > 0
+    assert [f"humaneval/acceptance_pos_{i}" for i in range(3)] == sorted(
+        k for k in m if k.startswith("humaneval/acceptance_pos_")
+    )
+    assert m["humaneval/acceptance_length"] >= 1.0
+    table = json.loads((first.results["evaluate"].path / "eval_table.json").read_text())
+    assert [r["set"] for r in table] == ["mtbench"] * 6 + ["humaneval"] * 6
+    ev = first.results["evaluate"]
+    lines = ev.stage.summary(m, ev.path, typed(compose([*REDUCED, "run.output_root=unused"])))
+    assert [line.split(" (")[0] for line in lines[:2]] == [
+        f"acceptance length {m['acceptance_length']:.3f} on mtbench",
+        f"acceptance length {m['humaneval/acceptance_length']:.3f} on humaneval",
+    ]
     # Speculation must not change greedy output, on any prompt.
     assert m["identical_to_target_fraction"] == 1.0
     assert "teacher_forced_acceptance_length" in m
@@ -116,6 +132,7 @@ def test_mlflow_run_holds_everything(runs):
     for key in (
         "evaluate/acceptance_length",
         "evaluate/acceptance_pos_0",
+        "evaluate/humaneval/acceptance_length",
         "vocab/coverage",
         "train/loss",
         "extract/layer_30/rms",
