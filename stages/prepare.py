@@ -31,6 +31,7 @@ from runner.conversations import (
     read_conversations,
 )
 from runner.errors import ConfigError
+from runner.mixing import Source, about, interleave, sources
 from runner.preflight import Plan
 from runner.schema import RunnerConfig
 from runner.stage import PlanView, Stage, StageContext
@@ -54,7 +55,7 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         "tokenizer": facts.tokenizer_id,
         "source": d.source,
         # What the data holds, not only where it is: an edited file gives a new key.
-        "data_content": data_fingerprint(d, cache_dir(cfg)),
+        "data_content": data_fingerprint(d, cache_dir(cfg)) if not d.sources else None,
         "split": d.split,
         "column": d.column,
         "num_samples": d.num_samples,
@@ -63,7 +64,14 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         "seed": d.seed,
         "chat_template_kwargs": template_kwargs(cfg),
         "min_assistant_tokens": d.min_assistant_tokens,
-    }
+        # Mixed sources: each one's settings, share and content.
+        **({"sources": [
+            {"name": s.name, "source": s.cfg.source, "split": s.cfg.split, "column": s.cfg.column,
+             "revision": s.cfg.revision, "rows": s.quota,
+             "data_content": data_fingerprint(s.cfg, cache_dir(cfg))}
+            for s in sources(d)
+        ]} if d.sources else {}),
+    }  # fmt: skip
 
 
 class TemplateMismatch(ValueError):
@@ -131,49 +139,75 @@ def marked_text(tok: Any, ids: list[int], mask: list[int]) -> str:
     return "".join(out)
 
 
+def _take(src: Source, tok: Any, kwargs: dict, bar: Any) -> dict[str, Any]:
+    """Tokenise `src`'s conversations in order until its quota of usable rows: the rows and the
+    counts of what was read, used and dropped."""
+    d = src.cfg
+    with about(src):
+        read = read_conversations(d)
+    rows: list[tuple[list[int], list[int]]] = []
+    # Rows dropped while reading (read.dropped) and here, by reason.
+    dropped = Counter({"template_mismatch": 0, "truncated": 0, "few_assistant_tokens": 0})
+    truncated = multi_turn = used = 0
+    for turns in read.turns:
+        if len(rows) >= src.quota:
+            break
+        used += 1
+        try:
+            ids, mask = tokenize_conversation(tok, turns, d.max_seq_len, kwargs)
+        except TemplateMismatch:
+            dropped["template_mismatch"] += 1
+            continue
+        if sum(mask) < d.min_assistant_tokens and len(ids) == d.max_seq_len:
+            dropped["truncated"] += 1  # data.max_seq_len cut off the assistant's answer
+            continue
+        if sum(mask) < d.min_assistant_tokens:
+            dropped["few_assistant_tokens"] += 1
+            continue
+        truncated += len(ids) == d.max_seq_len
+        multi_turn += sum(1 for t in turns if t["role"] == "assistant") > 1
+        rows.append((ids, mask))
+        bar.update(1)
+    if len(rows) < src.quota:
+        log.warning("prepare: only %d usable rows of %d asked from %s (%s)", len(rows),
+                    src.quota, src.name, src.key)  # fmt: skip
+    return {
+        "rows": rows,
+        "read": read,
+        "used": used,
+        "truncated": truncated,
+        "multi_turn": multi_turn,
+        "dropped": {**{r: 0 for r in DROP_REASONS}, **read.dropped, **dropped},
+    }
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     import datasets  # slow import: only when the stage runs
     from tqdm import tqdm
 
     cfg = ctx.cfg.data
     tok = load_tokenizer(ctx.cfg, ctx.facts)
-    read = read_conversations(cfg)
-    convs = read.turns
     kwargs = template_kwargs(ctx.cfg)
-    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    # Rows dropped while reading (read.dropped) and here, by reason.
-    dropped = Counter({"template_mismatch": 0, "truncated": 0, "few_assistant_tokens": 0})
-    truncated = multi_turn = used = 0
-    bar = tqdm(total=cfg.num_samples, desc="prepare", unit="row")
-    for turns in convs:
-        if len(rows["input_ids"]) >= cfg.num_samples:
-            break
-        used += 1
-        try:
-            ids, mask = tokenize_conversation(tok, turns, cfg.max_seq_len, kwargs)
-        except TemplateMismatch:
-            dropped["template_mismatch"] += 1
-            continue
-        if sum(mask) < cfg.min_assistant_tokens and len(ids) == cfg.max_seq_len:
-            dropped["truncated"] += 1  # data.max_seq_len cut off the assistant's answer
-            continue
-        if sum(mask) < cfg.min_assistant_tokens:
-            dropped["few_assistant_tokens"] += 1
-            continue
-        truncated += len(ids) == cfg.max_seq_len
-        multi_turn += sum(1 for t in turns if t["role"] == "assistant") > 1
-        rows["input_ids"].append(ids)
-        rows["loss_mask"].append(mask)
-        rows["seq_len"].append(len(ids))
-        bar.update(1)
+    mix = sources(cfg)
+    bar = tqdm(total=sum(s.quota for s in mix), desc="prepare", unit="row")
+    taken = [_take(src, tok, kwargs, bar) for src in mix]
     bar.close()
-    n = len(rows["input_ids"])
+    merged = interleave([t["rows"] for t in taken], cfg.seed, cfg.shuffle)
+    n = len(merged)
+    dropped = Counter()
+    for t in taken:
+        dropped.update(t["dropped"])
     if n == 0:
         raise ConfigError(
-            "data.source",
-            f"no usable row: of {used} conversations tokenised, dropped {dict(dropped)} "
-            "(data.max_seq_len, data.min_assistant_tokens)",
+            "data.source" if not cfg.sources else "data.sources",
+            f"no usable row: of {sum(t['used'] for t in taken)} conversations tokenised, dropped "
+            f"{dict(dropped)} (data.max_seq_len, data.min_assistant_tokens)",
         )
+    rows: dict[str, list] = {
+        "input_ids": [ids for _, (ids, _) in merged],
+        "loss_mask": [mask for _, (_, mask) in merged],
+        "seq_len": [len(ids) for _, (ids, _) in merged],
+    }
     ds = datasets.Dataset.from_dict(
         rows,
         features=datasets.Features(
@@ -193,25 +227,44 @@ def run(ctx: StageContext) -> dict[str, Any]:
     supervised = sum(sum(m) for m in rows["loss_mask"])
     if n < cfg.num_samples:
         log.warning("prepare: only %d usable rows of data.num_samples=%d", n, cfg.num_samples)
-    all_dropped = {**{r: 0 for r in DROP_REASONS}, **read.dropped, **dropped}
-    ctx.manifest["dropped_examples"] = read.examples
-    if any(all_dropped.values()):
-        log.info("prepare: dropped %s", {k: v for k, v in all_dropped.items() if v})
-    return {
+    ctx.manifest["dropped_examples"] = [e for t in taken for e in t["read"].examples][:5]
+    # What came from where: per source, what was asked, read and kept; `order` is each row's
+    # source index, in the dataset's order.
+    ctx.manifest["sources"] = [
+        {
+            "name": src.name,
+            "source": src.cfg.source,
+            "split": src.cfg.split,
+            "revision": src.cfg.revision,
+            "asked": src.quota,
+            "rows": len(t["rows"]),
+            "rows_read": t["read"].rows_read,
+            "conversations_read": t["used"],
+            "dropped": {k: v for k, v in t["dropped"].items() if v},
+        }
+        for src, t in zip(mix, taken, strict=True)
+    ]
+    ctx.manifest["row_sources"] = [i for i, _ in merged]
+    if any(dropped.values()):
+        log.info("prepare: dropped %s", {k: v for k, v in dropped.items() if v})
+    metrics: dict[str, Any] = {
         "rows": n,
-        "rows_read": read.rows_read,
-        "conversations_read": used,
+        "rows_read": sum(t["read"].rows_read for t in taken),
+        "conversations_read": sum(t["used"] for t in taken),
         "tokens": tokens,
         "assistant_tokens": supervised,
         "assistant_fraction": supervised / tokens,
         "mean_seq_len": tokens / n,
-        "truncated_fraction": truncated / n,
-        "multi_turn_fraction": multi_turn / n,
-        "dropped": all_dropped,
+        "truncated_fraction": sum(t["truncated"] for t in taken) / n,
+        "multi_turn_fraction": sum(t["multi_turn"] for t in taken) / n,
+        "dropped": dict(dropped),
         # data.multimodal=drop_media: image/media parts dropped (their text parts kept).
-        "media_parts_dropped": read.media_dropped,
-        "rows_with_media": read.rows_with_media,
+        "media_parts_dropped": sum(t["read"].media_dropped for t in taken),
+        "rows_with_media": sum(t["read"].rows_with_media for t in taken),
     }
+    if cfg.sources:
+        metrics["rows_from"] = {src.name: len(t["rows"]) for src, t in zip(mix, taken, strict=True)}
+    return metrics
 
 
 # Every reason a row is not used, in the order a row meets them.
@@ -222,24 +275,37 @@ DROP_REASONS = ("malformed", "unknown_role", "no_assistant_turn", "template_mism
 def plan(p: Plan, view: PlanView) -> None:
     """A local file is read as prepare will read it, before anything runs (cached per content):
     a malformed row or an unusable file is refused here, naming the file and line."""
-    d = view.cfg.data
     if view.actions.get("prepare") != "run":
         return
+    mix = sources(view.cfg.data)
+    if view.cfg.data.sources:
+        p.add("data", "mixed: " + ", ".join(f"{s.name} {s.quota} rows" for s in mix)
+              + f" (shuffled together, seed {view.cfg.data.seed})")  # fmt: skip
+    for src in mix:
+        _plan_source(p, src, cache_dir(view.cfg))
+
+
+def _plan_source(p: Plan, src: Source, cache: Path) -> None:
+    d = src.cfg
+    assert d.source is not None
+    key = (
+        (lambda k: k) if src.key == "data.source" else (lambda k: f"{src.key}.{k.split('.', 1)[1]}")
+    )
     if d.source.startswith(("package:",)):
         return
     try:
-        seen = inspect_local(d, cache_dir(view.cfg))
+        seen = inspect_local(d, cache)
     except ConfigError as exc:
-        p.error(exc.key, exc.message)
+        p.error(key(exc.key), exc.message)
         return
     if seen is None:
         problem = hub_problem(d)
         if problem:
-            p.error("data.source", f"hub dataset {d.source!r}: {problem}")
+            p.error(key("data.source"), f"hub dataset {d.source!r}: {problem}")
             return
         if not d.revision:
             p.warn(
-                "data.revision",
+                key("data.revision"),
                 f"hub dataset {d.source} is not pinned: its cached prepare result is reused even "
                 "if the dataset changes upstream; set data.revision to a commit",
             )
@@ -250,10 +316,10 @@ def plan(p: Plan, view: PlanView) -> None:
         f"{Path(d.source).name}: {seen['rows']} rows, {seen['usable']} usable, dropped: "
         f"{dropped} (sha256 {seen['sha256'][:12]})",
     )
-    if seen["usable"] < d.num_samples:
+    if seen["usable"] < src.quota:
         p.warn(
-            "data.num_samples",
-            f"{d.num_samples} asked but {d.source} has {seen['usable']} usable conversations",
+            key("data.num_samples"),
+            f"{src.quota} asked but {d.source} has {seen['usable']} usable conversations",
         )
 
 
@@ -264,9 +330,11 @@ def summary(metrics: dict[str, Any], path: Path, _cfg: RunnerConfig) -> list[str
     kept = (
         f"; {media} media parts dropped from {metrics.get('rows_with_media')} rows" if media else ""
     )
+    mixed = metrics.get("rows_from") or {}
+    parts = f" ({', '.join(f'{k} {v}' for k, v in mixed.items())})" if mixed else ""
     return [
-        f"data: {metrics.get('rows')} rows of {metrics.get('rows_read')} read; dropped: {what}"
-        + kept
+        f"data: {metrics.get('rows')} rows{parts} of {metrics.get('rows_read')} read; dropped: "
+        f"{what}" + kept
     ]
 
 
