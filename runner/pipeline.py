@@ -85,7 +85,7 @@ class Pipeline:
         self.store = store
         self.tracker = tracker
         self.rerun_command = rerun_command
-        self.stages = registry()
+        self.stages = tuple(s for s in registry() if s.is_on(cfg))
         # stage -> what is wrong with its stored artifact, found while planning
         self.damaged: dict[str, str] = {}
         # stage -> bytes the plan expects it to write (Plan.numbers "disk_need.<stage>")
@@ -95,11 +95,18 @@ class Pipeline:
         """The stages this invocation needs, each with its key and what will happen to it."""
         requested = _named(self.cfg.run.stages, self.stages)
         force = _named(self.cfg.run.force, self.stages)
-        last = max(i for i, s in enumerate(self.stages) if s.name in requested)
+        on = [i for i, s in enumerate(self.stages) if s.name in requested]
+        if not on:
+            raise ConfigError(
+                "run.stages",
+                f"{sorted(requested)}: no stage of these is on in this config (an optional stage "
+                "such as regenerate is off until its config group selects a backend)",
+            )
+        last = max(on)
         keys: dict[str, str] = {}
         planned = []
         for stage in self.stages[: last + 1]:
-            upstream = {u: keys[u] for u in stage.upstream}
+            upstream = {u: keys[u] for u in stage.upstream if u in keys}  # (an "off" stage: none)
             config_slice = stage.key_config(self.cfg, self.facts)
             libs = versions(dict(stage.libraries))
             key = compute_key(stage.name, stage.version, config_slice, upstream, libs)
@@ -287,7 +294,7 @@ class Pipeline:
         manifest: dict[str, Any] = {
             "config": config_slice,
             "inputs": {
-                u: {"key": artifacts[u].key, "path": str(artifacts[u].path)} for u in stage.upstream
+                u: {"key": artifacts[u].key, "path": str(artifacts[u].path)} for u in p.upstream
             },
             "versions": versions(dict(stage.libraries)),
             "stage_version": stage.version,
@@ -344,7 +351,7 @@ class Pipeline:
             ctx = StageContext(
                 cfg=self.cfg,
                 facts=self.facts,
-                inputs={u: artifacts[u] for u in stage.upstream},
+                inputs={u: artifacts[u] for u in p.upstream},
                 out=tmp,
                 manifest=manifest,
                 scratch=scratch,

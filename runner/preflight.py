@@ -211,7 +211,7 @@ def _engine_limits(
             "from id 1",
         )
     mla = bool(text.get("kv_lora_rank"))
-    drafts = [n for n, f in needs.items() if "extract_hidden_states" not in f]
+    drafts = [n for n, f in needs.items() if "eagle3" in f and "extract_hidden_states" not in f]
     if mla and drafts and cfg.hardware.device == "cpu" and not cfg.hardware.vllm.endpoint:
         plan.error(
             "run.stages",
@@ -358,7 +358,9 @@ def build_plan(
     }
     users = [name for name, features in needs.items() if features]
     if cfg.hardware.vllm.endpoint:
-        _endpoint_lines(plan, cfg, target, {n: f for n, f in needs.items() if f})
+        # regenerate ("generate") always starts a server of its own: the endpoint serves the rest.
+        served = {n: f for n, f in needs.items() if f and f != ("generate",)}
+        _endpoint_lines(plan, cfg, target, served)
     else:
         _engine_lines(plan, cfg, target, users, {f for fs in needs.values() for f in fs})
     _engine_limits(plan, cfg, target, {n: f for n, f in needs.items() if f})

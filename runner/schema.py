@@ -82,6 +82,16 @@ class OnDamaged(StrEnum):
     stop = "stop"
 
 
+class RegenerateBackend(StrEnum):
+    # Train on the data's own responses.
+    none = "none"
+    # The target rewrites every assistant turn on a vLLM server the runner starts (or
+    # hardware.vllm.endpoint).
+    vllm = "vllm"
+    # In-process transformers generate (small targets, boxes without vLLM).
+    transformers = "transformers"
+
+
 class Storage(StrEnum):
     # The target's dtype as it computes (hardware.dtype, bfloat16 by default): 2 bytes a value.
     bf16 = "bf16"
@@ -523,6 +533,40 @@ def prompt_set_name(source: str) -> str:
 
 
 @dataclass
+class RegenerateConfig:
+    # none, vllm or transformers (stages/regenerate.py).
+    backend: RegenerateBackend = RegenerateBackend.none
+    # 0 = greedy; above 0, sampled with top_p and seed.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    # Tokens per assistant turn at most; a turn also stops where the row reaches
+    # data.max_seq_len (prepare would cut it there anyway).
+    max_tokens: int = 512
+    # Chat-template arguments for generation and for prepare's rendering of the new rows, on top
+    # of the model's and the data's (e.g. {thinking: false} for Kimi-K2.5).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The stage fails when more than this share of generations failed or stopped at max_tokens.
+    max_bad_fraction: float = 0.1
+    # vllm: requests in flight and seconds per request. transformers: prompts per generate call.
+    concurrency: int = 64
+    request_timeout_s: int = 600
+    batch_size: int = 16
+
+    def check(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError("regenerate.temperature", f"{self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("regenerate.top_p", f"{self.top_p} must be in (0, 1]")
+        for key in ("max_tokens", "concurrency", "request_timeout_s", "batch_size"):
+            _at_least(f"regenerate.{key}", getattr(self, key), 1)
+        if not 0 <= self.max_bad_fraction <= 1:
+            raise ConfigError(
+                "regenerate.max_bad_fraction", f"{self.max_bad_fraction} must be in [0, 1]"
+            )
+
+
+@dataclass
 class EvalConfig:
     name: str = MISSING
     # Prompt sets, each measured on its own and pooled: "mtbench", "humaneval", or a local .jsonl
@@ -610,6 +654,7 @@ class RunnerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -619,8 +664,8 @@ class RunnerConfig:
     def check(self, stage_names: tuple[str, ...]) -> None:
         """Every check that needs nothing but this config: each section's own, then the few
         between sections."""
-        sections = (self.model, self.hardware, self.data, self.extract, self.train, self.eval,
-                    self.tracking)  # fmt: skip
+        sections = (self.model, self.hardware, self.data, self.regenerate, self.extract,
+                    self.train, self.eval, self.tracking)  # fmt: skip
         for section in sections:
             section.check()
         self.run.check(stage_names)

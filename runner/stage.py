@@ -119,6 +119,12 @@ class Stage:
     objective: str | None = None
     # Keep the scratch folder of a failed run, so the next run resumes from it.
     resumable: bool = False
+    # (cfg) -> whether the pipeline has this stage at all (an optional stage, e.g. regenerate);
+    # a stage that reads it finds it in ctx.inputs only when it is on.
+    enabled: Callable[[RunnerConfig], bool] | None = None
+
+    def is_on(self, cfg: RunnerConfig) -> bool:
+        return self.enabled is None or self.enabled(cfg)
 
     def __post_init__(self) -> None:
         bad = [i for i in self.identities if i not in IDENTITIES]

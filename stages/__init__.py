@@ -6,9 +6,10 @@ stage, write its module and add it to `REGISTRY` below, after the stages it read
 """
 
 from runner.stage import Stage
-from stages import evaluate, extract, prepare, train, vocab
+from stages import evaluate, extract, prepare, regenerate, train, vocab
 
 REGISTRY: tuple[Stage, ...] = (
+    regenerate.STAGE,  # optional: on when a regenerate backend is selected
     prepare.STAGE,
     extract.STAGE,
     vocab.STAGE,

@@ -19,6 +19,8 @@ tokenizer's own `apply_chat_template` renders, so no server is needed.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from collections import Counter
 from pathlib import Path
@@ -31,7 +33,7 @@ from runner.conversations import (
     read_conversations,
 )
 from runner.errors import ConfigError
-from runner.mixing import Source, about, interleave, sources
+from runner.mixing import Source, about, interleave, key_of, sources
 from runner.preflight import Plan
 from runner.schema import RunnerConfig
 from runner.stage import PlanView, Stage, StageContext
@@ -41,8 +43,10 @@ log = logging.getLogger("runner")
 
 
 def template_kwargs(cfg: RunnerConfig) -> dict[str, Any]:
-    """The model's chat-template arguments, with the data's on top."""
-    return {**cfg.model.chat_template_kwargs, **cfg.data.chat_template_kwargs}
+    """The model's chat-template arguments, with the data's on top (and regenerate's, when the
+    rows are the target's own: rendered as they were generated)."""
+    extra = cfg.regenerate.chat_template_kwargs if cfg.regenerate.backend != "none" else {}
+    return {**cfg.model.chat_template_kwargs, **cfg.data.chat_template_kwargs, **extra}
 
 
 def cache_dir(cfg: RunnerConfig) -> Path:
@@ -189,6 +193,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tok = load_tokenizer(ctx.cfg, ctx.facts)
     kwargs = template_kwargs(ctx.cfg)
     mix = sources(cfg)
+    regenerated = ctx.inputs.get("regenerate")
+    if regenerated is not None:
+        # The same sources and shares, each read from the target's own conversations.
+        mix = [
+            dataclasses.replace(src, cfg=dataclasses.replace(
+                src.cfg, source=str(regenerated.path / "regenerated" / f"source_{i}.jsonl"),
+                column="conversations", split="train", revision=None, shuffle=False))
+            for i, src in enumerate(mix)
+        ]  # fmt: skip
     bar = tqdm(total=sum(s.quota for s in mix), desc="prepare", unit="row")
     taken = [_take(src, tok, kwargs, bar) for src in mix]
     bar.close()
@@ -288,9 +301,7 @@ def plan(p: Plan, view: PlanView) -> None:
 def _plan_source(p: Plan, src: Source, cache: Path) -> None:
     d = src.cfg
     assert d.source is not None
-    key = (
-        (lambda k: k) if src.key == "data.source" else (lambda k: f"{src.key}.{k.split('.', 1)[1]}")
-    )
+    key = functools.partial(key_of, src)
     if d.source.startswith(("package:",)):
         return
     try:
@@ -342,6 +353,7 @@ STAGE = Stage(
     name="prepare",
     key_config=key_config,
     run=run,
+    upstream=("regenerate",),  # only when regenerate is on
     version="2",
     libraries={"transformers": ("transformers",), "datasets": ("datasets",)},
     identities=("tokenizer_id",),

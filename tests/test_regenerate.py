@@ -1,0 +1,103 @@
+"""The regenerate stage on a tiny target (transformers backend): the target's own answers replace
+the data's, prepare trains on them, a stopped run resumes, and too many bad generations fail the
+stage naming the setting. The vLLM backend and its parity with this one: tests/test_vllm_backend.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runner.errors import StageError
+from runner.interrupts import Interrupted
+from runner.job import run_job
+from tests.conftest import compose, tiny_overrides
+
+# Sampled: the random tiny target's greedy answer is one whitespace token repeated, which the
+# stage counts as failed (an empty answer).
+REGEN = ["regenerate=transformers", "regenerate.batch_size=4", "regenerate.temperature=1.0",
+         "model.capture_layers=[1,2,3]"]  # fmt: skip
+
+
+def _over(model_dir, chats, root, *extra, samples=6):
+    return tiny_overrides(model_dir, chats, root, *REGEN, "run.stages=[regenerate,prepare]", *extra,
+                          samples=samples)  # fmt: skip
+
+
+def test_the_targets_own_answers_replace_the_datas(tiny_model_dir, chats_jsonl, tmp_path):
+    import datasets
+    from transformers import AutoTokenizer
+
+    result = run_job(compose(_over(tiny_model_dir, chats_jsonl, tmp_path)))
+    assert result.stages == {"regenerate": "computed", "prepare": "computed"}
+    regen = result.results["regenerate"]
+    m = regen.metrics
+    assert m["conversations"] == 6 and m["failed"] == 0 and m["generated_tokens"] > 0
+    written = (regen.path / "regenerated" / "source_0.jsonl").read_text()
+    records = [json.loads(x) for x in written.splitlines()]
+    original = [json.loads(x)["messages"] for x in chats_jsonl.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    for rec in records:
+        turns = rec["conversations"]
+        answers = [t["content"] for t in turns if t["role"] == "assistant"]
+        assert len(answers) == len(rec["token_ids"]) == len(rec["finish_reasons"]) >= 1
+        # Every answer is exactly the decoded ids the target generated; the user turns are the
+        # data's own, in their order.
+        assert answers == [tok.decode(ids, skip_special_tokens=True) for ids in rec["token_ids"]]
+        users = [t["content"] for t in turns if t["role"] == "user"]
+        assert any(users == [t["content"] for t in o if t["role"] == "user"][: len(users)]
+                   for o in original)  # fmt: skip
+        assert not any(a in {t["content"] for o in original for t in o} for a in answers)
+    # prepare trains on them: its rows are the regenerated conversations rendered.
+    rows = datasets.load_from_disk(str(result.results["prepare"].path / "dataset"))
+    assert len(rows) == 6
+    assert all(len(r["input_ids"]) <= 96 for r in rows)
+    # The same settings reuse both; the original data's run is another prepare artifact.
+    again = run_job(compose(_over(tiny_model_dir, chats_jsonl, tmp_path)))
+    assert again.stages == {"regenerate": "cached", "prepare": "cached"}
+    plain = run_job(
+        compose(
+            _over(tiny_model_dir, chats_jsonl, tmp_path, "regenerate=none", "run.stages=[prepare]")
+        )
+    )
+    assert plain.stages == {"prepare": "computed"}
+    assert plain.results["prepare"].key != result.results["prepare"].key
+
+
+def test_a_stopped_regeneration_resumes_and_bad_answers_fail_it(
+    tiny_model_dir, chats_jsonl, tmp_path, monkeypatch
+):
+    from stages import regenerate
+
+    # Stop after the first chunk of two conversations, as a crash would.
+    monkeypatch.setattr(regenerate, "CHUNK", 2)
+    calls = {"n": 0}
+    real = regenerate._run_chunk
+
+    def crash_after_first(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regenerate, "_run_chunk", crash_after_first)
+    over = _over(tiny_model_dir, chats_jsonl, tmp_path)
+    with pytest.raises(Interrupted):  # what the runner makes of Ctrl-C
+        run_job(compose(over))
+    chunks = []
+
+    def counted(jobs, *args, **kwargs):
+        chunks.append([j.index for j in jobs])
+        return real(jobs, *args, **kwargs)
+
+    monkeypatch.setattr(regenerate, "_run_chunk", counted)
+    resumed = run_job(compose(over)).results["regenerate"]
+    # The first two conversations came from the stopped attempt; the rest were generated now,
+    # and the counts add both attempts up.
+    assert chunks == [[2, 3], [4, 5]]
+    assert resumed.metrics["conversations"] == 6
+    assert resumed.metrics["generations"] >= 6
+    # Answers cut at max_tokens are truncated: above the allowed share, the stage fails.
+    with pytest.raises(StageError, match=r"regenerate\.max_bad_fraction"):
+        run_job(compose([*over, "regenerate.max_tokens=2", "regenerate.max_bad_fraction=0.5"]))
