@@ -106,7 +106,8 @@ class Pipeline:
         keys: dict[str, str] = {}
         planned = []
         for stage in self.stages[: last + 1]:
-            upstream = {u: keys[u] for u in stage.upstream if u in keys}  # (an "off" stage: none)
+            reads = stage.reads(self.cfg) if stage.reads else stage.upstream
+            upstream = {u: keys[u] for u in reads if u in keys}  # (an "off" stage: none)
             config_slice = stage.key_config(self.cfg, self.facts)
             libs = versions(dict(stage.libraries))
             key = compute_key(stage.name, stage.version, config_slice, upstream, libs)

@@ -577,6 +577,9 @@ class EvalConfig:
     max_new_tokens: int = 128
     num_speculative_tokens: int = 3
     max_model_len: int = 2048
+    # A draft folder trained elsewhere (e.g. unpacked by runner.transfer) to evaluate instead of
+    # this config's train artifact: `eval.draft=DIR run.stages=[evaluate]`.
+    draft: str | None = None
     # Also serve a randomly initialised draft of the same shape, as a floor for comparison.
     random_baseline: bool = False
     # Also serve the target alone: checks greedy output is unchanged and measures the speed ratio.

@@ -119,6 +119,9 @@ class Stage:
     objective: str | None = None
     # Keep the scratch folder of a failed run, so the next run resumes from it.
     resumable: bool = False
+    # (cfg) -> the stages of `upstream` this config reads (default: all of them); e.g. evaluate
+    # of a draft trained elsewhere (eval.draft) reads no train artifact.
+    reads: Callable[[RunnerConfig], tuple[str, ...]] | None = None
     # (cfg) -> whether the pipeline has this stage at all (an optional stage, e.g. regenerate);
     # a stage that reads it finds it in ctx.inputs only when it is on.
     enabled: Callable[[RunnerConfig], bool] | None = None

@@ -49,8 +49,27 @@ log = logging.getLogger("runner")
 _NOT_IN_KEY = ("name", "timeout_s")
 
 
+def _draft_content(folder: str) -> str | None:
+    """sha256 of a draft folder's config and weights (eval.draft: what is served, wherever it
+    lies); None if it is not a draft folder (the plan says so)."""
+    import hashlib
+
+    root = Path(folder).expanduser()
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        try:
+            with open(root / name, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(block)
+        except OSError:
+            return None
+    return h.hexdigest()
+
+
 def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     e = dataclasses.asdict(cfg.eval)
+    if cfg.eval.draft:
+        e["draft"] = _draft_content(cfg.eval.draft)
     return {
         **{k: v for k, v in e.items() if k not in _NOT_IN_KEY},
         "weights": facts.weights_id,
@@ -234,16 +253,19 @@ def run(ctx: StageContext) -> dict[str, Any]:
     e = cfg.eval
     sets = load_prompt_sets(e)
     first = next(iter(sets))  # the run's own figures (and objective); the others by name
-    train_art = ctx.inputs["train"]
-    draft = train_art.path / "draft"
-    # A draft is served only if every byte is what training published (hashed in full: it is
-    # small next to the target, and a bit flip would be served silently).
-    wrong = damage(train_art, full=True, under="draft/")
-    if wrong is not None:
-        raise StageError(
-            f"the draft in {train_art.path} is damaged ({wrong}); refusing to serve it. Run "
-            "with run.force=[train] to train it again, or delete that folder"
-        )
+    train_art = ctx.inputs.get("train")  # None for a draft trained elsewhere (eval.draft)
+    if train_art is None:
+        draft = Path(e.draft or "").expanduser().resolve()
+    else:
+        draft = train_art.path / "draft"
+        # A draft is served only if every byte is what training published (hashed in full: it
+        # is small next to the target, and a bit flip would be served silently).
+        wrong = damage(train_art, full=True, under="draft/")
+        if wrong is not None:
+            raise StageError(
+                f"the draft in {train_art.path} is damaged ({wrong}); refusing to serve it. Run "
+                "with run.force=[train] to train it again, or delete that folder"
+            )
     work = ctx.scratch
     logs = work / "logs"  # copied into the artifact at the end; kept in scratch if the stage fails
     ctx.manifest["served"] = {
@@ -292,13 +314,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 len(flat),
                 bad[:10],
             )
-    if e.random_baseline and not existing:
+    if e.random_baseline and not existing and train_art is not None:
         # On the first set only: a floor, not a figure to compare across sets.
         rand = _random_draft(train_art.manifest, work / "random_draft")
         _, rnd = _serve(cfg, ctx.facts, rand, {first: sets[first]}, "random_draft", logs)
         for k, v in acceptance(rnd[first]["counters"]).items():
             metrics[f"random_{k}"] = v
-    metrics.update(teacher_forced(train_art.manifest.get("metrics", {}), e.num_speculative_tokens))
+    if train_art is not None:
+        train_metrics = train_art.manifest.get("metrics", {})
+        metrics.update(teacher_forced(train_metrics, e.num_speculative_tokens))
     table = [
         {
             "set": name,
@@ -432,6 +456,16 @@ def plan(p: Plan, view: PlanView) -> None:
     cfg = view.cfg
     if view.actions.get("evaluate") != "run":
         return
+    if cfg.eval.draft:
+        if _draft_content(cfg.eval.draft) is None:
+            p.error("eval.draft", f"{cfg.eval.draft} holds no draft (config.json and "
+                    "model.safetensors); a packed draft needs `python -m runner.transfer unpack` "
+                    "first")  # fmt: skip
+        else:
+            p.add("draft", f"{cfg.eval.draft} (trained elsewhere: no teacher-forced estimate)")
+        if cfg.eval.random_baseline:
+            p.warn("eval.random_baseline", "not measured for eval.draft: the random draft is "
+                   "built from this config's own training command")  # fmt: skip
     if cfg.hardware.vllm.endpoint:
         skipped = [k for k in ("compare_target", "random_baseline") if getattr(cfg.eval, k)]
         if skipped:
@@ -463,6 +497,7 @@ STAGE = Stage(
     tables=tables,
     figures=figures,
     vllm_features=lambda cfg: ("eagle3",),
+    reads=lambda cfg: () if cfg.eval.draft else ("train",),
     objective="acceptance_length",
     plan=plan,
 )

@@ -49,8 +49,13 @@ from runner.target_facts import ModelFacts
 from runner.versions import VLLM_DISTS
 
 log = logging.getLogger("runner")
-# Conversations per chunk: what a rerun redoes at most after a failure.
-CHUNK = 128
+
+
+def chunk_size(r: Any) -> int:
+    """Conversations per chunk: what a rerun redoes at most after a failure. At least 128, and
+    four generate batches (transformers) or two server loads of requests (vLLM), so that a chunk
+    keeps the engine busy."""
+    return max(128, 4 * r.batch_size if r.backend == "transformers" else 2 * r.concurrency)
 
 
 def enabled(cfg: RunnerConfig) -> bool:
@@ -366,9 +371,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 gen = VllmGenerator(cfg, ctx.facts, tok, ctx.scratch / "logs")
             else:
                 gen = TransformersGenerator(cfg, ctx.facts, tok)
+        size = chunk_size(r)
         with partial.open("a") as fh, counts.open("a") as fc:
-            for start in range(0, len(todo), CHUNK):
-                chunk = todo[start : start + CHUNK]
+            for start in range(0, len(todo), size):
+                chunk = todo[start : start + size]
                 these: Counter = Counter()
                 _run_chunk(chunk, gen, tok, cfg, these)
                 for job in chunk:

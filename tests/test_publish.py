@@ -43,3 +43,32 @@ def test_a_published_draft_loads_elsewhere_with_its_card(trained, tmp_path, tiny
     assert conf["speculators_config"]["verifier"]["name_or_path"] == str(tiny_model_dir)
     # A second publish to the same non-empty folder is refused, leaving it as it was.
     assert publish([str(out), "--output-root", str(trained)]) == 1
+
+
+def test_a_draft_travels_packed_without_the_targets_embeddings(trained, tmp_path, tiny_model_dir):
+    """pack leaves out what the target already holds; unpack restores it byte for byte from the
+    target, and refuses a target whose weights differ."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from runner.transfer import main as transfer
+
+    draft = next((trained / "store" / "train").glob("*/draft"))
+    packed, back = tmp_path / "packed", tmp_path / "back"
+    assert transfer(["pack", str(draft), str(packed), "--target", str(tiny_model_dir)]) == 0
+    record = json.loads((packed / "packed.json").read_text())
+    assert list(record["omitted"]) == ["embed_tokens.weight"]
+    assert (packed / "model.safetensors").stat().st_size < (
+        draft / "model.safetensors"
+    ).stat().st_size
+    assert transfer(["unpack", str(packed), str(back), "--target", str(tiny_model_dir)]) == 0
+    a, b = load_file(str(draft / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (back / "config.json").read_text() == (draft / "config.json").read_text()
+    # Another target (one embedding value changed): refused, nothing written.
+    other = shutil.copytree(tiny_model_dir, tmp_path / "other_target")
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.embed_tokens.weight"][0, 0] += 1
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    assert transfer(["unpack", str(packed), str(tmp_path / "no"), "--target", str(other)]) == 1
+    assert not (tmp_path / "no").exists()

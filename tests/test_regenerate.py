@@ -71,7 +71,7 @@ def test_a_stopped_regeneration_resumes_and_bad_answers_fail_it(
     from stages import regenerate
 
     # Stop after the first chunk of two conversations, as a crash would.
-    monkeypatch.setattr(regenerate, "CHUNK", 2)
+    monkeypatch.setattr(regenerate, "chunk_size", lambda r: 2)
     calls = {"n": 0}
     real = regenerate._run_chunk
 
