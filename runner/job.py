@@ -182,9 +182,9 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
             seconds=time.time() - t_start,
             objective=_objective(results),
         )
-        summary = _summary(result, cfg, tracker)
-        # The summary heads the run's page in the MLflow UI.
-        tracker.set_description("```\n" + summary.strip() + "\n```")
+        summary, description = _summary(result, cfg, tracker)
+        # The results head the run's page in the MLflow UI.
+        tracker.set_description("```\n" + description + "\n```")
     except BaseException as exc:
         # A signal is not a failure of the run's own making: MLflow shows it as KILLED.
         _end_failed(tracker, "KILLED" if as_interrupted(exc) else "FAILED")
@@ -281,19 +281,24 @@ def _objective(results: dict[str, StageResult]) -> float | None:
     return None
 
 
-def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> str:
-    lines = [f"\n==== eagle3 runner: done in {result.seconds:.1f} s ===="]
-    for r in result.results.values():
-        lines.append(f"  {r.name:<9} {r.status:<8} {r.seconds:7.1f} s  {r.path}")
+def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> tuple[str, str]:
+    """The end-of-run summary for the console (the stages, then what they found), and the run's
+    description in MLflow (what they found first: the page shows its first lines)."""
+    table = [f"  {r.name:<9} {r.status:<8} {r.seconds:7.1f} s  {r.path}"
+             for r in result.results.values()]  # fmt: skip
+    found = []
     for r in result.results.values():
         if r.stage.summary is not None:
-            lines += [f"  {line}" for line in r.stage.summary(r.metrics, r.path, cfg)]
+            found += [f"  {line}" for line in r.stage.summary(r.metrics, r.path, cfg)]
     # Where the logs ended up (while a stage runs they are in its work folder, removed after).
     logs = [str(r.path / "logs") for r in result.results.values() if (r.path / "logs").is_dir()]
     if logs:
-        lines.append(f"  logs: {', '.join(logs)}")
-    lines.append(f"  MLflow run {result.run_id}: {tracker.ui_command()}")
-    return "\n".join(lines)
+        found.append(f"  logs: {', '.join(logs)}")
+    head = f"==== eagle3 runner: done in {result.seconds:.1f} s ===="
+    console = "\n".join(["", head, *table, *found,
+                         f"  MLflow run {result.run_id}: {tracker.ui_command()}"])  # fmt: skip
+    description = "\n".join([head, *(x[2:] for x in found), "", "stages:", *table])
+    return console, description
 
 
 def _record_failed_sweep_job(node: DictConfig | RunnerConfig, exc: Exception) -> None:

@@ -84,9 +84,11 @@ class SweepCallback(Callback):
         client = mlflow.MlflowClient(uri)
         overrides = list(config.hydra.overrides.task)
         sweep_name = config.hydra.job.config_name
+        # A sweep file names the sweep (-cn capture_layers); a command-line sweep, its overrides.
+        title = sweep_name if sweep_name != "config" else " ".join(overrides)[:200] or "defaults"
         run = client.create_run(
             tracker.experiment_id,
-            run_name=f"sweep-{sweep_name}",
+            run_name=f"sweep {title}",
             tags={
                 **process_tags(),
                 "sweep.config": sweep_name,
@@ -144,7 +146,8 @@ def run_row(child: Any, swept: list[str]) -> dict[str, Any]:
         "status": child.info.status,
     }
     for key in swept:
-        row[key] = p.get(key, "")
+        # A config group (regenerate=none,vllm) is no param itself: its option's name or backend.
+        row[key] = next((p[k] for k in (key, f"{key}.name", f"{key}.backend") if k in p), "")
     row["capture_ids"] = p.get("resolved.capture_ids_vllm", "")
     for stage in stages:
         if stage.columns is not None:

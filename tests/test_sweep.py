@@ -166,3 +166,18 @@ def test_a_sweep_through_submitit_runs_each_job_as_its_own_process(
     assert sorted(r["train.lr"] for r in rows) == ["0.001", "0.003"]
     assert all(r["status"] == "FINISHED" for r in rows)
     assert "run.stages" not in rows[0]  # a list value, not a swept key
+
+
+def test_a_config_group_sweep_is_compared_by_its_options():
+    """`-m regenerate=none,vllm` sweeps a config group, which is no param itself: each job's row
+    (and the sweep figure's x axis) shows the option it ran, not an empty value."""
+    from types import SimpleNamespace
+
+    from runner.sweep import run_row
+
+    def child(backend: str) -> SimpleNamespace:
+        data = SimpleNamespace(params={"regenerate.backend": backend}, metrics={}, tags={})
+        return SimpleNamespace(data=data, info=SimpleNamespace(run_id=backend, status="FINISHED"))
+
+    rows = [run_row(child(b), ["regenerate"]) for b in ("none", "vllm")]
+    assert [r["regenerate"] for r in rows] == ["none", "vllm"]

@@ -206,7 +206,8 @@ def test_a_draft_packed_here_and_unpacked_elsewhere_evaluates_alike(runs, root, 
 
 def test_regeneration_backends_give_the_same_greedy_answers(root):
     """The default target regenerates the same conversations greedily with vLLM and with
-    transformers (first turns, 48 tokens each): the same ids, or the difference reported."""
+    transformers (first turns, 48 tokens each): the same ids, or the difference reported and
+    shown to be a bf16 near-tie."""
     base = ["data.num_samples=12", "regenerate.max_tokens=48", "regenerate.max_bad_fraction=1",
             "run.stages=[regenerate]", f"run.output_root={root}"]  # fmt: skip
     recs = {}
@@ -217,21 +218,34 @@ def test_regeneration_backends_give_the_same_greedy_answers(root):
     pairs = list(zip(recs["vllm"], recs["transformers"], strict=True))
     assert len(pairs) == 12
     assert all(a["conversations"][:-1] == b["conversations"][:-1] for a, b in pairs), "same prompts"
-    same, prefixes = 0, []
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = str(root / "models" / "smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(target)
+    fp32 = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    same, prefixes, gaps = 0, [], []
     for a, b in pairs:
         x, y = a["token_ids"][0], b["token_ids"][0]
-        same += x == y
-        prefixes.append(
-            next(
-                (i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q),
-                min(len(x), len(y)),
-            )
-        )
-    print(f"regenerate, greedy, vLLM vs transformers: {same} of {len(pairs)} first answers "
-          f"identical; common prefix per answer {prefixes} tokens")  # fmt: skip
-    # bf16 kernels differ between the engines, so a near-tie can flip a token and the rest of that
-    # answer with it; most answers must still match, and every one must start alike.
-    assert same >= len(pairs) * 2 // 3 and min(prefixes) >= 4, prefixes
+        i = next((j for j, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), None)
+        if i is None:
+            same += 1
+            prefixes.append(len(x))
+            continue
+        prefixes.append(i)
+        # Where they part, the two engines' tokens are the fp32 forward's two best, nearly tied:
+        # bf16 rounding picked differently, not a wrong prompt, cache or mask.
+        prompt = tok.apply_chat_template(a["conversations"][:-1], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)  # fmt: skip
+        with torch.inference_mode():
+            logits = fp32(torch.tensor([[*prompt, *x[:i]]])).logits[0, -1]
+        assert set(torch.topk(logits, 2).indices.tolist()) == {x[i], y[i]}, (i, x[i], y[i])
+        gaps.append(abs(float(logits[x[i]] - logits[y[i]])))
+    print(
+        f"regenerate, greedy, vLLM vs transformers: {same} of {len(pairs)} first answers "
+        f"identical over 48 tokens; the others part after {[p for p in prefixes if p < 48]} "
+        f"tokens, each at a near-tie (fp32 logit gaps {[round(g, 3) for g in gaps]})"
+    )
+    assert all(g < 0.25 for g in gaps), gaps
 
 
 def test_vllm_extraction_resumes_and_redoes_unreadable_files(runs, root):

@@ -95,10 +95,16 @@ class _Progress:
 
     def __init__(self, epoch: int, epochs: int, steps: int, start: int) -> None:
         self.epoch, self.epochs, self.steps, self.first = epoch, epochs, steps, start
-        self.t0 = self.last = time.time()
+        self.t0: float | None = None
+        self.last = time.time()
 
     def step(self, at: int) -> None:
         now = time.time()
+        if self.t0 is None:
+            # The rate counts from the first finished step: the first one also compiles (minutes
+            # on a GPU from cold caches), which would make every estimate after it far too long.
+            self.t0, self.first = now, at
+            return
         if now - self.last < PROGRESS_EVERY_S or at >= self.steps:
             return
         self.last = now
@@ -106,7 +112,17 @@ class _Progress:
         left = (self.steps - at) / rate if rate > 0 else float("nan")
         log.info("[train] epoch %d/%d, step %d/%d (%.0f%%), %.2f steps/s, epoch ends in %s",
                  self.epoch + 1, self.epochs, at, self.steps, 100 * at / self.steps, rate,
-                 time.strftime("%M:%S", time.gmtime(left)) if left == left else "?")  # fmt: skip
+                 _clock(left) if left == left else "?")  # fmt: skip
+
+
+def _clock(seconds: float) -> str:
+    """H:MM:SS (MM:SS under an hour)."""
+    h, rest = divmod(int(seconds), 3600)
+    return (
+        f"{h}:{time.strftime('%M:%S', time.gmtime(rest))}"
+        if h
+        else time.strftime("%M:%S", time.gmtime(rest))
+    )
 
 
 @contextmanager
