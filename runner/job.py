@@ -286,18 +286,20 @@ def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> tuple[st
     description in MLflow (what they found first: the page shows its first lines)."""
     table = [f"  {r.name:<9} {r.status:<8} {r.seconds:7.1f} s  {r.path}"
              for r in result.results.values()]  # fmt: skip
-    found = []
+    found, key = [], []
     for r in result.results.values():
         if r.stage.summary is not None:
-            found += [f"  {line}" for line in r.stage.summary(r.metrics, r.path, cfg)]
+            lines = [f"  {line}" for line in r.stage.summary(r.metrics, r.path, cfg)]
+            # The stage that holds the run's objective (evaluate) heads the description.
+            (key if r.stage.objective else found).extend(lines)
     # Where the logs ended up (while a stage runs they are in its work folder, removed after).
     logs = [str(r.path / "logs") for r in result.results.values() if (r.path / "logs").is_dir()]
     if logs:
         found.append(f"  logs: {', '.join(logs)}")
     head = f"==== eagle3 runner: done in {result.seconds:.1f} s ===="
-    console = "\n".join(["", head, *table, *found,
+    console = "\n".join(["", head, *table, *found, *key,
                          f"  MLflow run {result.run_id}: {tracker.ui_command()}"])  # fmt: skip
-    description = "\n".join([head, *(x[2:] for x in found), "", "stages:", *table])
+    description = "\n".join([head, *(x[2:] for x in [*key, *found]), "", "stages:", *table])
     return console, description
 
 
