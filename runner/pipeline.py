@@ -100,7 +100,7 @@ class Pipeline:
             raise ConfigError(
                 "run.stages",
                 f"{sorted(requested)}: no stage of these is on in this config (an optional stage "
-                "such as regenerate is off until its config group selects a backend)",
+                "is off until its config group turns it on)",
             )
         last = max(on)
         keys: dict[str, str] = {}

@@ -24,7 +24,7 @@ ENGINE = ["job", "pipeline", "preflight", "sweep", "report", "stage", "checks", 
 
 
 def test_registry_lists_every_stage_module_in_pipeline_order():
-    assert stage_names() == ("prepare", "extract", "vocab", "train", "evaluate")
+    assert stage_names() == ("regenerate", "prepare", "extract", "vocab", "train", "evaluate")
     modules = {p.stem for p in (REPO / "stages").glob("*.py") if p.stem != "__init__"}
     modules |= {p.parent.name for p in (REPO / "stages").glob("*/__init__.py")}
     assert modules == set(stage_names())  # stages/ holds stages only
@@ -103,7 +103,8 @@ def test_a_new_stage_is_one_module_and_one_registry_line(
     monkeypatch, tiny_model_dir, chats_jsonl, tmp_path, capsys
 ):
     # The registry line: after prepare, which it reads.
-    monkeypatch.setattr(stages, "REGISTRY", (*stages.REGISTRY[:1], COUNT, *stages.REGISTRY[1:]))
+    at = [s.name for s in stages.REGISTRY].index("prepare") + 1
+    monkeypatch.setattr(stages, "REGISTRY", (*stages.REGISTRY[:at], COUNT, *stages.REGISTRY[at:]))
     overrides = tiny_overrides(
         tiny_model_dir,
         chats_jsonl,
