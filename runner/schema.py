@@ -85,8 +85,7 @@ class OnDamaged(StrEnum):
 class RegenerateBackend(StrEnum):
     # Train on the data's own responses.
     none = "none"
-    # The target rewrites every assistant turn on a vLLM server the runner starts (or
-    # hardware.vllm.endpoint).
+    # The target rewrites every assistant turn on a vLLM server the runner starts for it.
     vllm = "vllm"
     # In-process transformers generate (small targets, boxes without vLLM).
     transformers = "transformers"
