@@ -22,10 +22,10 @@ lint: setup  ## Lint and check formatting (ruff, configured in pyproject.toml)
 fmt: setup  ## Format the code and apply ruff's safe fixes
 	$(PY) -m ruff format . && $(PY) -m ruff check --fix .
 
-test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (~4 min)
+test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (~5 min)
 	@$(call timed,$(PY) -m pytest -q -m "not e2e and not vllm and not faults",fast tests)
 
-test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lane, fault injection (~28 min)
+test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lane, fault injection (~30 min)
 	@$(call timed,$(PY) -m pytest -q -m "e2e or vllm or faults",slow lanes)
 
 test: setup lint test-fast test-slow  ## Everything CI runs: lint, fast tests, then the slow lanes
