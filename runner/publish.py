@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.schema import prompt_set_name
+from runner.store import new_folder
 from runner.tracking import missing_store, tracking_uri
 
 
@@ -149,19 +150,11 @@ def publish(run: Any, out: Path, repo: str | None) -> Path:
     draft = Path(run.data.tags["path.train"]) / "draft"
     if not (draft / "config.json").is_file():
         raise FileNotFoundError(f"no draft in {draft} (run {run.info.run_id})")
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty")
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(draft, tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    card = model_card(run, config, repo or str(out.resolve()), local_serve_command(run, out))
-    (tmp / "README.md").write_text(card)
-    for f in tmp.iterdir():
-        f.chmod(0o644)
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
+    with new_folder(out) as tmp:
+        shutil.copytree(draft, tmp, dirs_exist_ok=True)
+        config = json.loads((tmp / "config.json").read_text())
+        card = model_card(run, config, repo or str(out.resolve()), local_serve_command(run, out))
+        (tmp / "README.md").write_text(card)
     return out
 
 

@@ -198,6 +198,27 @@ def dead_temps(root: Path) -> list[Path]:
     return out
 
 
+@contextmanager
+def new_folder(out: Path) -> Iterator[Path]:
+    """A folder a user asked for (a published or packed draft): written beside `out`, its files
+    made readable by all, renamed into place only when complete; a non-empty `out` is refused
+    and nothing half-written is left on failure."""
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty")
+    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @dataclass
 class Artifact:
     stage: str

@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from runner.store import new_folder
 
 WEIGHTS = "model.safetensors"
 MANIFEST = "packed.json"
@@ -61,23 +62,6 @@ def _find_in_target(tensor: Any, target: Path) -> tuple[str, str] | None:
     return None
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    for f in tmp.iterdir():
-        f.chmod(0o644)
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
-
-
-def _staging(out: Path) -> Path:
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty")
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
 def pack(draft: Path, out: Path, target: Path) -> dict[str, Any]:
     from safetensors.torch import load_file, save_file
 
@@ -90,8 +74,7 @@ def pack(draft: Path, out: Path, target: Path) -> dict[str, Any]:
         if where is not None:
             omitted[name] = {"file": where[0], "tensor": where[1], "sha256": _sha256(t),
                              "shape": list(t.shape), "dtype": str(t.dtype)}  # fmt: skip
-    tmp = _staging(out)
-    try:
+    with new_folder(out) as tmp:
         for f in draft.iterdir():
             if f.is_file() and f.name != WEIGHTS:
                 shutil.copy2(f, tmp / f.name)
@@ -99,10 +82,6 @@ def pack(draft: Path, out: Path, target: Path) -> dict[str, Any]:
                   metadata={"format": "pt"})  # fmt: skip
         record = {"omitted": omitted, "target_hint": str(target)}
         (tmp / MANIFEST).write_text(json.dumps(record, indent=1))
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return record
 
 
@@ -126,16 +105,11 @@ def unpack(packed: Path, out: Path, target: Path) -> dict[str, Any]:
                 f"(sha256 {how['sha256'][:12]}); it needs the same target weights"
             )
         weights[name] = t
-    tmp = _staging(out)
-    try:
+    with new_folder(out) as tmp:
         for f in packed.iterdir():
             if f.is_file() and f.name not in (WEIGHTS, MANIFEST):
                 shutil.copy2(f, tmp / f.name)
         save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return record
 
 

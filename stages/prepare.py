@@ -82,7 +82,7 @@ class TemplateMismatch(ValueError):
     """The chat template renders a prefix differently once later turns follow."""
 
 
-def _render(tok: Any, turns: list[dict], gen: bool, kwargs: dict) -> list[int]:
+def render(tok: Any, turns: list[dict], gen: bool, kwargs: dict) -> list[int]:
     out = tok.apply_chat_template(
         turns, tokenize=True, add_generation_prompt=gen, return_dict=False, **kwargs
     )
@@ -96,17 +96,17 @@ def tokenize_conversation(
 ) -> tuple[list[int], list[int]]:
     """Token ids and loss mask (1 on assistant tokens) of one conversation, cut at max_len."""
     kwargs = kwargs or {}
-    full = _render(tok, turns, False, kwargs)
+    full = render(tok, turns, False, kwargs)
     mask = [0] * len(full)
     for j, turn in enumerate(turns):
         # An opening assistant turn has no prompt to bound it (and templates often add a default
         # system turn only before a user turn); it stays context.
         if turn["role"] != "assistant" or j == 0:
             continue
-        prompt = _render(tok, turns[:j], True, kwargs)
+        prompt = render(tok, turns[:j], True, kwargs)
         if len(prompt) >= max_len:
             break
-        upto = _render(tok, turns[: j + 1], False, kwargs)
+        upto = render(tok, turns[: j + 1], False, kwargs)
         if upto[: len(prompt)] != prompt or full[: len(upto)] != upto:
             raise TemplateMismatch(f"assistant turn {j} does not extend its prompt's render")
         for i in range(len(prompt), len(upto)):

@@ -47,6 +47,8 @@ from runner.schema import RunnerConfig
 from runner.stage import PlanView, Stage, StageContext
 from runner.target_facts import ModelFacts
 from runner.versions import VLLM_DISTS
+from stages.prepare import key_config as prepare_key
+from stages.prepare import load_tokenizer, render, template_kwargs
 
 log = logging.getLogger("runner")
 
@@ -62,17 +64,9 @@ def enabled(cfg: RunnerConfig) -> bool:
     return cfg.regenerate.backend != "none"
 
 
-def template_kwargs(cfg: RunnerConfig) -> dict[str, Any]:
-    """The chat-template arguments of generation, and of prepare's rendering of its rows."""
-    return {**cfg.model.chat_template_kwargs, **cfg.data.chat_template_kwargs,
-            **cfg.regenerate.chat_template_kwargs}  # fmt: skip
-
-
 def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
-    from stages import prepare  # the conversations read are prepare's own selection
-
     r = cfg.regenerate
-    data = prepare.key_config(cfg, facts)
+    data = prepare_key(cfg, facts)  # the conversations read are prepare's own selection
     return {
         "weights": facts.weights_id,
         "data": {k: v for k, v in data.items() if k != "tokenizer"},
@@ -253,8 +247,7 @@ def _end_ids(tok: Any, model: Any) -> set[int]:
 
 
 def _render(tok: Any, turns: list[dict[str, str]], kwargs: dict[str, Any]) -> list[int]:
-    from stages.prepare import _render as render
-
+    """The prompt ids for the next answer: prepare's own rendering, with the generation prompt."""
     return render(tok, turns, True, kwargs)
 
 
@@ -330,8 +323,6 @@ def _run_chunk(jobs: list[Job], gen: Any, tok: Any, cfg: RunnerConfig, stats: Co
 
 def run(ctx: StageContext) -> dict[str, Any]:
     from tqdm import tqdm
-
-    from stages.prepare import load_tokenizer
 
     cfg = ctx.cfg
     r = cfg.regenerate
