@@ -8,7 +8,7 @@
 # is warm; each part is one device call, the next within 30 s.
 #   bash benchmarks/h200_draft.sh install        # wheels -> /tmp/site, pieces -> /tmp/gg
 #   bash benchmarks/h200_draft.sh run EPOCHS     # the pipeline up to train, EPOCHS epochs
-#   bash benchmarks/h200_draft.sh pack EPOCHS... # those drafts packed (runner.transfer), to $OUT
+#   bash benchmarks/h200_draft.sh pack N...      # the drafts after epochs N packed, to $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}; mkdir -p "$OUT"
@@ -19,7 +19,8 @@ SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 # Every ShareGPT conversation whose first prompt fits 512 tokens, answered again by the target.
 RUN=(python3 -m runner hardware=gpu1 data=local_file data.name=sharegpt
      data.source=/tmp/gg/sharegpt.jsonl data.column=conversations data.num_samples=17528
-     data.max_seq_len=512 regenerate=transformers regenerate.batch_size=384
+     data.max_seq_len=512 regenerate=transformers regenerate.continuous_batching=true
+     regenerate.batch_size=1024 train.keep_epoch_drafts=true
      "run.stages=[regenerate,prepare,extract,vocab,train]" run.name=h200-draft)
 mkdir -p /tmp/gg
 for d in .gg1 .gg2 .gg3; do [ -d $d ] && cp -n $d/* /tmp/gg/ 2>/dev/null; done
@@ -42,23 +43,17 @@ run)
   ;;
 pack)
   shift
-  for e in "$@"; do
-    draft=$(python3 - "$e" <<'EOF'
-import json, sys, glob
-for m in sorted(glob.glob("/tmp/gpu/store/train/*/manifest.json")):
-    d = json.load(open(m))
-    if d["config"].get("epochs") == int(sys.argv[1]):
-        print(m.rsplit("/", 1)[0] + "/draft")
-EOF
-)
-    target=$(ls -d /tmp/gpu/models/*/ | head -1)
-    rm -rf /tmp/packed_e$e
-    python3 -m runner.transfer pack "$draft" /tmp/packed_e$e --target "$target" || exit 1
+  train=$(dirname "$(ls /tmp/gpu/store/train/*/manifest.json | head -1)")
+  target=$(ls -d /tmp/gpu/models/*/ | head -1)
+  for n in "$@"; do  # speculators numbers epochs from 0: the draft after N epochs is epochs/N-1
+    rm -rf /tmp/packed_e$n
+    python3 -m runner.transfer pack "$train/epochs/$((n - 1))" /tmp/packed_e$n --target "$target" \
+      || exit 1
     # Files come back at most 16 MiB each (8 a call): the weights in pieces, put together with
     # cat; the rest of the folder and the training curve in one tar.
-    split -b 15M /tmp/packed_e$e/model.safetensors "$OUT/e${e}_weights.part_"
-    tar -cf "$OUT/draft_e$e.tar" --exclude=model.safetensors -C /tmp "packed_e$e" \
-      -C "$(dirname "$draft")" metrics.jsonl manifest.json
+    split -b 15M /tmp/packed_e$n/model.safetensors "$OUT/e${n}_weights.part_"
+    tar -cf "$OUT/draft_e$n.tar" --exclude=model.safetensors -C /tmp "packed_e$n" \
+      -C "$train" metrics.jsonl manifest.json
   done
   ls -l "$OUT"
   ;;

@@ -495,6 +495,10 @@ class TrainConfig:
     # Print speculators' per-step metric records on the console too (they always go to MLflow
     # and to the work folder's metrics.jsonl; the console gets a progress line every 30 s).
     echo_steps: bool = False
+    # Publish every epoch's draft beside the final one (<train artifact>/epochs/<n>), to measure
+    # served acceptance against tokens trained and keep the best epoch (EAGLE-3 can degrade with
+    # more epochs). One draft's size per epoch.
+    keep_epoch_drafts: bool = False
     # Any further speculators train flag, e.g. {norm_before_fc: true}.
     extra_args: dict[str, Any] = field(default_factory=dict)
 
@@ -551,6 +555,10 @@ class RegenerateConfig:
     concurrency: int = 64
     request_timeout_s: int = 600
     batch_size: int = 16
+    # transformers: its continuous batching (paged KV cache; a finished answer frees its slot at
+    # once) instead of padded `generate`, where every row waits for the batch's longest answer.
+    # The one for a GPU; on a CPU padded calls measured faster.
+    continuous_batching: bool = False
 
     def check(self) -> None:
         if self.temperature < 0:

@@ -78,6 +78,8 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         "max_tokens": r.max_tokens,
         "chat_template_kwargs": template_kwargs(cfg),
         "dtype": cfg.hardware.dtype,
+        # Paged attention's kernels differ again (named only when on: older keys stay valid).
+        **({"continuous_batching": True} if r.continuous_batching else {}),
     }
 
 
@@ -136,45 +138,71 @@ class TransformersGenerator:
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(self.eos))
 
     def generate(self, prompts: list[list[int]], limits: list[int]) -> list[Generated | Exception]:
-        torch = self.torch
         r = self.cfg
         out: list[Generated | Exception] = [RuntimeError("not generated")] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         for start in range(0, len(order), r.batch_size):
             batch = order[start : start + r.batch_size]
-            width = max(len(prompts[i]) for i in batch)
-            ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, i in enumerate(batch):  # left padding: every prompt ends at the same column
-                ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-                mask[row, width - len(prompts[i]) :] = 1
-            sampled = r.temperature > 0
-            if sampled:
-                torch.manual_seed(r.seed + start)
-            with torch.inference_mode():
-                gen = self.model.generate(
-                    input_ids=ids.to(self.device),
-                    attention_mask=mask.to(self.device),
-                    max_new_tokens=max(limits[i] for i in batch),
-                    do_sample=sampled,
-                    temperature=r.temperature if sampled else None,
-                    top_p=r.top_p if sampled else None,
-                    top_k=None,
-                    eos_token_id=sorted(self.eos),
-                    pad_token_id=self.pad,
-                )
-            for row, i in enumerate(batch):
-                new = gen[row, width:].tolist()[: limits[i]]
-                end = next((j for j, t in enumerate(new) if t in self.eos), None)
-                if end is not None:
-                    new, reason = new[:end], "stop"
-                else:
-                    reason = "length"
-                out[i] = Generated(new, self.tok.decode(new, skip_special_tokens=True), reason)
+            if r.temperature > 0:
+                self.torch.manual_seed(r.seed + start)
+            make = self._continuous if r.continuous_batching else self._padded
+            made = make([prompts[i] for i in batch], max(limits[i] for i in batch))
+            for i, new in zip(batch, made, strict=True):
+                out[i] = new if isinstance(new, Exception) else self._finish(new[: limits[i]])
         return out
+
+    def _finish(self, new: list[int]) -> Generated:
+        end = next((j for j, t in enumerate(new) if t in self.eos), None)
+        if end is not None:
+            new, reason = new[:end], "stop"
+        else:
+            reason = "length"
+        return Generated(new, self.tok.decode(new, skip_special_tokens=True), reason)
+
+    def _settings(self, max_new: int) -> dict[str, Any]:
+        r = self.cfg
+        sampled = r.temperature > 0
+        return dict(max_new_tokens=max_new, do_sample=sampled,
+                    temperature=r.temperature if sampled else None,
+                    top_p=r.top_p if sampled else None, top_k=None,
+                    eos_token_id=sorted(self.eos), pad_token_id=self.pad)  # fmt: skip
+
+    def _padded(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        with torch.inference_mode():
+            gen = self.model.generate(input_ids=ids.to(self.device),
+                                      attention_mask=mask.to(self.device),
+                                      **self._settings(max_new))  # fmt: skip
+        return [gen[row, width:].tolist() for row in range(len(prompts))]
+
+    def _continuous(self, prompts: list[list[int]], max_new: int) -> list[Any]:
+        from transformers import GenerationConfig
+
+        # Not under inference_mode: the batcher's own thread updates tensors made here.
+        results = self.model.generate_batch(
+            inputs=prompts, generation_config=GenerationConfig(**self._settings(max_new))
+        )
+        # Results come keyed by request id, in the order the prompts were added.
+        made = list(results.values())
+        if len(made) != len(prompts):
+            return [
+                RuntimeError(f"continuous batching returned {len(made)} of {len(prompts)}")
+            ] * len(prompts)
+        return [
+            RuntimeError(str(m.error)) if getattr(m, "error", None) else list(m.generated_tokens)
+            for m in made
+        ]
 
     def close(self) -> None:
         del self.model
+        if self.device.type == "cuda":  # the stages after this one load their own models
+            self.torch.cuda.empty_cache()
 
 
 class VllmGenerator:

@@ -65,6 +65,8 @@ _RESUME_ONLY = ("optimizer_state_dict.pt", "scheduler_state_dict.pt")
 
 def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     t = dataclasses.asdict(cfg.train)
+    if not t["keep_epoch_drafts"]:
+        del t["keep_epoch_drafts"]  # named only when on: keys made before it stay valid
     return {
         **{k: v for k, v in t.items() if k not in _NOT_IN_KEY},
         "aux_layers": list(facts.aux_layers),
@@ -497,21 +499,54 @@ def run(ctx: StageContext) -> dict[str, Any]:
         for r in records:
             fh.write(json.dumps(r) + "\n")
     ckpt = _pick_checkpoint(save_path)
-    draft = ctx.out / "draft"
-    draft.mkdir()
-    # Publish the weights and config only: optimizer and scheduler states are for resuming.
-    for f in ckpt.iterdir():
-        if f.is_file() and not f.name.endswith(_RESUME_ONLY):
-            shutil.copy2(f, draft / f.name)
+    draft = _publish_draft(ckpt, ctx.out / "draft", ctx)
+    # Every epoch's draft (train.keep_epoch_drafts), for acceptance against tokens trained: the
+    # work folder with their checkpoints is deleted once the stage is published.
+    kept = sorted((p for p in save_path.glob("[0-9]*") if p.is_dir() and p.name.isdigit()),
+                  key=lambda p: int(p.name))  # fmt: skip
+    if ctx.cfg.train.keep_epoch_drafts:
+        for ep in kept:
+            _publish_draft(ep, ctx.out / "epochs" / ep.name, ctx)
+        ctx.manifest["epoch_drafts"] = [f"epochs/{ep.name}" for ep in kept]
     for f in ("run.yaml", "train_command.txt"):
         if (save_path / f).exists():
             shutil.copy2(save_path / f, ctx.out / f)
     _fix_recorded_versions(ctx.out / "train_command.txt")
-    _fix_recorded_versions(draft / "train_command.txt")
     for name in ("train.log", "vllm_online.log"):
         if (work / "logs" / name).is_file():
             (ctx.out / "logs").mkdir(exist_ok=True)
             shutil.copy2(work / "logs" / name, ctx.out / "logs" / name)
+    for f in ctx.out.iterdir():
+        if f.is_file():
+            f.chmod(0o644)  # speculators writes 0600: a draft's folder is shared
+    peaks = [_read_json(p, {}) for p in sorted(work.glob("memory_rank*.json"))]
+    memory = {
+        f"peak_gpu_{kind}_gib": max(p[kind] for p in peaks) / 2**30
+        for kind in ("allocated", "reserved")
+        if peaks and all(kind in p for p in peaks)
+    }
+    return {
+        **summarise(records),
+        **memory,
+        "checkpoint_bytes": sum(f.stat().st_size for f in draft.iterdir()),
+        "ranks": ranks,
+        # This attempt's training alone (no server start): online against offline per epoch.
+        "train_s": train_s,
+        "seconds_per_epoch": train_s / ctx.cfg.train.epochs,
+        **({"server_start_s": ctx.manifest["served"]["start_s"]} if online else {}),
+        "resumes": history["resumes"],
+        "steps_redone": history["steps_redone"],
+    }
+
+
+def _publish_draft(ckpt: Path, draft: Path, ctx: StageContext) -> Path:
+    """A checkpoint's weights and config (not its optimizer and scheduler states, which are for
+    resuming) copied to `draft`, with the layer-id convention recorded in its config."""
+    draft.mkdir(parents=True)
+    for f in ckpt.iterdir():
+        if f.is_file() and not f.name.endswith(_RESUME_ONLY):
+            shutil.copy2(f, draft / f.name)
+    _fix_recorded_versions(draft / "train_command.txt")
     # Record the layer-id convention in the draft's own config, beside speculators' fields.
     conf_path = draft / "config.json"
     conf = json.loads(conf_path.read_text())
@@ -531,27 +566,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "target_local_path": ctx.facts.path,
     }
     conf_path.write_text(json.dumps(conf, indent=2))
-    for f in [*draft.iterdir(), *ctx.out.iterdir()]:
+    for f in draft.iterdir():
         if f.is_file():
             f.chmod(0o644)  # safetensors and speculators write 0600: a draft is shared
-    peaks = [_read_json(p, {}) for p in sorted(work.glob("memory_rank*.json"))]
-    memory = {
-        f"peak_gpu_{kind}_gib": max(p[kind] for p in peaks) / 2**30
-        for kind in ("allocated", "reserved")
-        if peaks and all(kind in p for p in peaks)
-    }
-    return {
-        **summarise(records),
-        **memory,
-        "checkpoint_bytes": sum(f.stat().st_size for f in draft.iterdir()),
-        "ranks": ranks,
-        # This attempt's training alone (no server start): online against offline per epoch.
-        "train_s": train_s,
-        "seconds_per_epoch": train_s / ctx.cfg.train.epochs,
-        **({"server_start_s": ctx.manifest["served"]["start_s"]} if online else {}),
-        "resumes": history["resumes"],
-        "steps_redone": history["steps_redone"],
-    }
+    return draft
 
 
 def target_hub_id(cfg: RunnerConfig) -> str | None:
@@ -679,7 +697,12 @@ def plan(p: Plan, view: PlanView) -> None:
     p.add(
         "training",
         f"{ranks} {what} ({mode}; train.num_gpus, train.fsdp), checkpoints {every} "
-        "(train.checkpoint_every)",
+        "(train.checkpoint_every)"
+        + (
+            f"; every epoch's draft kept ({t.epochs} x the draft's size)"
+            if t.keep_epoch_drafts
+            else ""
+        ),
     )
     if cfg.extract.mode == "online":
         _plan_online_split(p, cfg)
@@ -741,8 +764,14 @@ def _plan_online_split(p: Plan, cfg: RunnerConfig) -> None:
     )
 
 
-def summary(metrics: dict[str, Any], path: Path, _cfg: RunnerConfig) -> list[str]:
-    return [f"draft checkpoint: {path / 'draft'}"]
+def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:
+    lines = [f"draft checkpoint: {path / 'draft'}"]
+    if cfg.train.keep_epoch_drafts and (path / "epochs").is_dir():
+        n = len(list((path / "epochs").iterdir()))
+        lines.append(
+            f"every epoch's draft ({n}): {path / 'epochs'}/<n> (eval.draft=... to measure)"
+        )
+    return lines
 
 
 def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:

@@ -168,6 +168,29 @@ def test_changing_a_training_setting_reruns_only_train(first_run, tiny_model_dir
     assert changed.results["train"].key != first.results["train"].key
 
 
+def test_every_epochs_draft_is_kept_when_asked(first_run, tiny_model_dir, chats_jsonl):
+    _, first, root = first_run
+    two = ("train.epochs=2", "train.max_steps=null")
+    over = tiny(tiny_model_dir, chats_jsonl, root, *two, "train.keep_epoch_drafts=true")
+    run = run_job(compose(over)).results["train"]
+    # Off, the setting is not in the key: the runs made before it was added stay cached.
+    plain = run_job(compose(tiny(tiny_model_dir, chats_jsonl, root, *two)))
+    assert plain.stages["train"] == "computed" and plain.results["train"].key != run.key
+    assert not (plain.results["train"].path / "epochs").exists()
+    manifest = json.loads((run.path / "manifest.json").read_text())
+    assert manifest["epoch_drafts"] == ["epochs/0", "epochs/1"]
+    drafts = [run.path / "epochs" / n for n in ("0", "1")]
+    for d in drafts:
+        conf = json.loads((d / "config.json").read_text())
+        assert conf["eagle3_runner"]["capture_ids"] == [0, 2, 3, 4]
+        assert sorted(p.name for p in d.iterdir() if "optimizer" in p.name) == []
+    # Two different drafts; the last epoch's is the published one.
+    w0, w1 = (load_file(str(d / "model.safetensors")) for d in drafts)
+    final = load_file(str(run.path / "draft" / "model.safetensors"))
+    assert not torch.equal(w0["fc.weight"], w1["fc.weight"])
+    assert all(torch.equal(w1[k], final[k]) for k in final)
+
+
 def test_a_failed_stage_publishes_nothing(first_run, tiny_model_dir, chats_jsonl):
     from runner.errors import StageError
 

@@ -101,3 +101,36 @@ def test_a_stopped_regeneration_resumes_and_bad_answers_fail_it(
     # Answers cut at max_tokens are truncated: above the allowed share, the stage fails.
     with pytest.raises(StageError, match=r"regenerate\.max_bad_fraction"):
         run_job(compose([*over, "regenerate.max_tokens=2", "regenerate.max_bad_fraction=0.5"]))
+
+
+def test_continuous_batching_gives_the_padded_calls_greedy_answers(
+    smollm2_tokenizer, chats_jsonl, tmp_path
+):
+    """regenerate.continuous_batching (the GPU setting: transformers' paged batcher) writes the
+    same greedy answers as padded generate calls, turn by turn, each cut at its own limit."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # Wide random weights: greedy answers that vary from token to token and prompt to prompt
+    # (the default tiny target repeats one whitespace token).
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      initializer_range=0.4, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2)  # fmt: skip
+    model_dir = tmp_path / "wide"
+    LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    smollm2_tokenizer.save_pretrained(model_dir)
+    answers = {}
+    for cb in ("false", "true"):
+        over = _over(model_dir, chats_jsonl, tmp_path, "regenerate.temperature=0",
+                     "run.stages=[regenerate]", "regenerate.max_tokens=24",
+                     "regenerate.max_bad_fraction=1", f"regenerate.continuous_batching={cb}",
+                     "hardware.dtype=float32")  # fmt: skip
+        regen = run_job(compose(over)).results["regenerate"]
+        lines = (regen.path / "regenerated" / "source_0.jsonl").read_text().splitlines()
+        answers[cb] = [(r["index"], r["token_ids"], r["finish_reasons"])
+                       for r in map(json.loads, lines)]  # fmt: skip
+    assert answers["true"] == answers["false"]
+    tokens = [t for _, ids, _ in answers["true"] for turn in ids for t in turn]
+    assert len(tokens) > 24 and len(set(tokens)) > 5  # real answers, not one token repeated
