@@ -19,9 +19,14 @@ SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 # Every ShareGPT conversation whose first prompt fits 512 tokens, answered again by the target.
 RUN=(python3 -m runner hardware=gpu1 data=local_file data.name=sharegpt
      data.source=/tmp/gg/sharegpt.jsonl data.column=conversations data.num_samples=17528
-     data.max_seq_len=512 regenerate=transformers regenerate.continuous_batching=true
-     regenerate.batch_size=1024 train.keep_epoch_drafts=true
-     "run.stages=[regenerate,prepare,extract,vocab,train]" run.name=h200-draft)
+     data.max_seq_len=512 train.keep_epoch_drafts=true run.name=h200-draft)
+# REGEN=none trains on ShareGPT's own answers (all 17,528 conversations).
+if [ "${REGEN:-transformers}" = none ]; then
+  RUN+=(regenerate=none "run.stages=[prepare,extract,vocab,train]")
+else
+  RUN+=(regenerate=transformers regenerate.continuous_batching=true regenerate.batch_size=1024
+        "run.stages=[regenerate,prepare,extract,vocab,train]")
+fi
 mkdir -p /tmp/gg
 for d in .gg1 .gg2 .gg3; do [ -d $d ] && cp -n $d/* /tmp/gg/ 2>/dev/null; done
 case "$1" in
@@ -31,10 +36,11 @@ install)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; ls -l /tmp/gg
   ;;
 run)
-  if [ ! -f $GGUF ]; then
+  if ! echo "$SHA  $GGUF" | sha256sum -c --status 2>/dev/null; then  # a fresh machine
     mkdir -p "$(dirname $GGUF)"; touch "$(dirname $GGUF)/__init__.py"
-    cat /tmp/gg/part_1 /tmp/gg/part_2 /tmp/gg/part_3 > $GGUF
-    echo "$SHA  $GGUF" | sha256sum -c || exit 1
+    cat /tmp/gg/part_1 /tmp/gg/part_2 /tmp/gg/part_3 > $GGUF.part || exit 1
+    echo "$SHA  $GGUF.part" | sha256sum -c || exit 1
+    mv $GGUF.part $GGUF
     gunzip -kf /tmp/gg/sharegpt.jsonl.gz
   fi
   # Below the call's limit: a stopped run keeps its work (regenerate and train resume).
@@ -49,9 +55,9 @@ pack)
     rm -rf /tmp/packed_e$n
     python3 -m runner.transfer pack "$train/epochs/$((n - 1))" /tmp/packed_e$n --target "$target" \
       || exit 1
-    # Files come back at most 16 MiB each (8 a call): the weights in pieces, put together with
+    # Files come back at most 16 MiB each (8 a call: two drafts): the weights in pieces, put together with
     # cat; the rest of the folder and the training curve in one tar.
-    split -b 15M /tmp/packed_e$n/model.safetensors "$OUT/e${n}_weights.part_"
+    split -b 16000000 /tmp/packed_e$n/model.safetensors "$OUT/e${n}_weights.part_"
     tar -cf "$OUT/draft_e$n.tar" --exclude=model.safetensors -C /tmp "packed_e$n" \
       -C "$train" metrics.jsonl manifest.json
   done
