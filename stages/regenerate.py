@@ -24,8 +24,8 @@ stage fails when their share exceeds regenerate.max_bad_fraction.
 
 Writes `regenerated/source_<i>.jsonl`, one line per conversation: `conversations` (the new turns),
 `token_ids` (each generated turn's ids, without the end-of-turn token), `finish_reasons`.
-Resumable: finished conversations are appended to the scratch folder chunk by chunk, and a rerun
-after a failure or Ctrl-C continues after the last one.
+Resumable: each conversation is appended to the scratch folder, with its counts, as soon as its
+last turn is written, and a rerun after a failure or Ctrl-C generates only the others.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +55,13 @@ log = logging.getLogger("runner")
 
 
 def chunk_size(r: Any) -> int:
-    """Conversations per chunk: what a rerun redoes at most after a failure. At least 128, and
-    four generate batches (transformers) or two server loads of requests (vLLM), so that a chunk
-    keeps the engine busy."""
-    return max(128, 4 * r.batch_size if r.backend == "transformers" else 2 * r.concurrency)
+    """Conversations taken through their turns together (each round asks for one turn of every
+    unfinished one): at least 128, and four padded generate batches, one continuous batch, or two
+    server loads of requests (vLLM), so that a round keeps the engine busy. A conversation is
+    saved as soon as it is finished: a stop loses the round in flight, not the chunk."""
+    if r.backend != "transformers":
+        return max(128, 2 * r.concurrency)
+    return max(128, r.batch_size if r.continuous_batching else 4 * r.batch_size)
 
 
 def enabled(cfg: RunnerConfig) -> bool:
@@ -102,6 +106,9 @@ class Job:
     finish: list[str] = dataclasses.field(default_factory=list)
     done: bool = False
     failed: str | None = None
+    # This conversation's generations, failures and cuts: saved with it, so that a rerun that
+    # keeps it also keeps its counts.
+    counts: Counter = dataclasses.field(default_factory=Counter)
 
     def next_prompt(self) -> list[dict[str, str]] | None:
         """Copy original turns up to the next assistant turn that answers a user turn; the
@@ -116,7 +123,8 @@ class Job:
 
     def record(self) -> dict[str, Any]:
         return {"index": self.index, "source": self.source, "conversations": self.turns,
-                "token_ids": self.token_ids, "finish_reasons": self.finish}  # fmt: skip
+                "token_ids": self.token_ids, "finish_reasons": self.finish,
+                "counts": dict(self.counts)}  # fmt: skip
 
 
 class TransformersGenerator:
@@ -308,45 +316,54 @@ def _select(cfg: RunnerConfig, tok: Any, kwargs: dict[str, Any]) -> tuple[list[J
     return jobs, skipped
 
 
-def _run_chunk(jobs: list[Job], gen: Any, tok: Any, cfg: RunnerConfig, stats: Counter) -> None:
-    """Generate every remaining assistant turn of `jobs`, one turn of every conversation a round."""
+def _run_chunk(jobs: list[Job], gen: Any, tok: Any, cfg: RunnerConfig) -> Iterator[list[Job]]:
+    """Generate every remaining assistant turn of `jobs`, one turn of every conversation a round;
+    after each round, the conversations it finished."""
     r, d = cfg.regenerate, cfg.data
     kwargs = template_kwargs(cfg)
     while True:
         asks: list[tuple[Job, list[int], int]] = []
+        finished: list[Job] = []
         for job in jobs:
             if job.done:
                 continue
             messages = job.next_prompt()
             if messages is None:
                 job.done = True
+                finished.append(job)
                 continue
             prompt = _render(tok, messages, kwargs)
             room = d.max_seq_len - len(prompt)
             if room < 1:  # prepare cuts the row before this turn: nothing to generate
-                stats["stopped_at_max_seq_len"] += 1
+                job.counts["stopped_at_max_seq_len"] += 1
                 job.done = True
+                finished.append(job)
                 continue
             asks.append((job, prompt, min(r.max_tokens, room)))
         if not asks:
+            if finished:
+                yield finished
             return
         results = gen.generate([a[1] for a in asks], [a[2] for a in asks])
         for (job, _prompt, limit), res in zip(asks, results, strict=True):
-            stats["generations"] += 1
+            job.counts["generations"] += 1
             if isinstance(res, Exception) or not res.text.strip():
-                stats["failed"] += 1
+                job.counts["failed"] += 1
                 job.failed = (
                     f"{type(res).__name__}: {res}" if isinstance(res, Exception) else "empty"
                 )
                 job.done = True
+                finished.append(job)
                 continue
             job.turns.append({"role": "assistant", "content": res.text})
             job.token_ids.append(res.token_ids)
             job.finish.append(res.finish_reason)
-            stats["generated_tokens"] += len(res.token_ids)
+            job.counts["generated_tokens"] += len(res.token_ids)
             if res.finish_reason == "length":
                 job.done = True  # the row is full, or the answer was cut at max_tokens
-                stats["truncated" if limit == r.max_tokens else "stopped_at_max_seq_len"] += 1
+                job.counts["truncated" if limit == r.max_tokens else "stopped_at_max_seq_len"] += 1
+                finished.append(job)
+        yield finished
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -361,24 +378,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
         raise StageError("regenerate: no conversation to regenerate (see data.max_seq_len)")
     partial = ctx.scratch / "regenerated.partial.jsonl"
     done: dict[int, dict[str, Any]] = {}
+    stats: Counter = Counter()
     if partial.is_file():  # a rerun: every complete line is a finished conversation
         for line in partial.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except ValueError:
-                break  # a line cut by the stop; its chunk is redone
+                break  # a line cut by the stop; its conversation is redone
             done[rec["index"]] = rec
+            stats.update(rec.get("counts", {}))
         log.info("[regenerate] resuming: %d of %d conversations already written", len(done),
                  len(jobs))  # fmt: skip
-    # Counts per finished chunk, beside its conversations: a rerun adds them up again.
-    counts = ctx.scratch / "counts.partial.jsonl"
-    stats: Counter = Counter()
-    if counts.is_file() and done:
-        for line in counts.read_text().splitlines():
-            try:
-                stats.update(json.loads(line))
-            except ValueError:
-                break
     todo = [j for j in jobs if j.index not in done]
     failures: list[str] = []
     t0 = time.time()
@@ -391,25 +401,21 @@ def run(ctx: StageContext) -> dict[str, Any]:
             else:
                 gen = TransformersGenerator(cfg, ctx.facts, tok)
         size = chunk_size(r)
-        with partial.open("a") as fh, counts.open("a") as fc:
+        with partial.open("a") as fh:
             for start in range(0, len(todo), size):
-                chunk = todo[start : start + size]
-                these: Counter = Counter()
-                _run_chunk(chunk, gen, tok, cfg, these)
-                for job in chunk:
-                    if job.token_ids:  # at least one answer of the target's own
-                        rec = job.record()
-                        fh.write(json.dumps(rec) + "\n")
-                        done[job.index] = rec
-                    else:
-                        these["conversations_failed"] += 1
-                        if len(failures) < 5:
-                            failures.append(f"conversation {job.index}: {job.failed}")
-                fh.flush()
-                fc.write(json.dumps(these) + "\n")
-                fc.flush()
-                stats.update(these)
-                bar.update(len(chunk))
+                for finished in _run_chunk(todo[start : start + size], gen, tok, cfg):
+                    for job in finished:
+                        stats.update(job.counts)
+                        if job.token_ids:  # at least one answer of the target's own
+                            rec = job.record()
+                            fh.write(json.dumps(rec) + "\n")
+                            done[job.index] = rec
+                        else:  # not saved: a rerun tries it again
+                            stats["conversations_failed"] += 1
+                            if len(failures) < 5:
+                                failures.append(f"conversation {job.index}: {job.failed}")
+                    fh.flush()
+                    bar.update(len(finished))
     finally:
         bar.close()
         if gen is not None:
@@ -431,7 +437,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         with (out / f"source_{i}.jsonl").open("w") as fh:
             for rec in sorted(done.values(), key=lambda x: x["index"]):
                 if rec["source"] == i:
-                    fh.write(json.dumps(rec) + "\n")
+                    fh.write(json.dumps({k: v for k, v in rec.items() if k != "counts"}) + "\n")
     ctx.manifest["sources"] = {f"source_{i}": n for i, n in enumerate(names)}
     ctx.manifest["first_failures"] = failures
     metrics = {
