@@ -169,7 +169,7 @@ def test_changing_a_training_setting_reruns_only_train(first_run, tiny_model_dir
 
 
 def test_every_epochs_draft_is_kept_when_asked(first_run, tiny_model_dir, chats_jsonl):
-    _, first, root = first_run
+    _, _, root = first_run
     two = ("train.epochs=2", "train.max_steps=null")
     over = tiny(tiny_model_dir, chats_jsonl, root, *two, "train.keep_epoch_drafts=true")
     run = run_job(compose(over)).results["train"]
