@@ -204,14 +204,17 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _epoch_dirs(save_path: Path) -> list[Path]:
+    """speculators' checkpoint folders, one per epoch (`<save_path>/<epoch>`, from 0), in order."""
+    found = (p for p in save_path.glob("[0-9]*") if p.is_dir() and p.name.isdigit())
+    return sorted(found, key=lambda p: int(p.name))
+
+
 def _pick_checkpoint(save_path: Path) -> Path:
     best = save_path / "checkpoint_best"
     if best.exists():
         return best.resolve()
-    epochs = sorted(
-        (p for p in save_path.iterdir() if p.is_dir() and p.name.isdigit()),
-        key=lambda p: int(p.name),
-    )
+    epochs = _epoch_dirs(save_path)
     if not epochs:
         raise RuntimeError(f"speculators wrote no checkpoint under {save_path}")
     return epochs[-1]
@@ -432,13 +435,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     work = ctx.scratch
     save_path = work / "checkpoints"
     history = _read_json(work / "attempts.json", {"attempts": 0, "resumes": 0, "steps_redone": 0})
-    epochs = sorted(int(p.name) for p in save_path.glob("[0-9]*") if p.is_dir())
+    epochs = _epoch_dirs(save_path)
     resuming = bool(epochs)
     reached_before = _read_json(work / "progress.json", {}).get("global_step", 0)
     # Counted now, not at the end: an attempt that is killed again still counts.
     history["attempts"] += 1
     if resuming:
-        state = _read_json(save_path / str(epochs[-1]) / "training_state.json", {})
+        state = _read_json(epochs[-1] / "training_state.json", {})
         history["resumes"] += 1
         history["steps_redone"] += max(0, reached_before - state.get("global_step", 0))
     (work / "attempts.json").write_text(json.dumps(history))
@@ -502,9 +505,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     draft = _publish_draft(ckpt, ctx.out / "draft", ctx)
     # Every epoch's draft (train.keep_epoch_drafts), for acceptance against tokens trained: the
     # work folder with their checkpoints is deleted once the stage is published.
-    kept = sorted((p for p in save_path.glob("[0-9]*") if p.is_dir() and p.name.isdigit()),
-                  key=lambda p: int(p.name))  # fmt: skip
     if ctx.cfg.train.keep_epoch_drafts:
+        kept = _epoch_dirs(save_path)
         for ep in kept:
             _publish_draft(ep, ctx.out / "epochs" / ep.name, ctx)
         ctx.manifest["epoch_drafts"] = [f"epochs/{ep.name}" for ep in kept]

@@ -184,7 +184,8 @@ def test_every_epochs_draft_is_kept_when_asked(first_run, tiny_model_dir, chats_
         conf = json.loads((d / "config.json").read_text())
         assert conf["eagle3_runner"]["capture_ids"] == [0, 2, 3, 4]
         assert sorted(p.name for p in d.iterdir() if "optimizer" in p.name) == []
-    # Two different drafts; the last epoch's is the published one.
+    # Two different drafts; the published one is speculators' best by validation loss, here the
+    # last.
     w0, w1 = (load_file(str(d / "model.safetensors")) for d in drafts)
     final = load_file(str(run.path / "draft" / "model.safetensors"))
     assert not torch.equal(w0["fc.weight"], w1["fc.weight"])
