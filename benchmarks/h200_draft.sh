@@ -9,6 +9,9 @@
 #   bash benchmarks/h200_draft.sh install        # wheels -> /tmp/site, pieces -> /tmp/gg
 #   bash benchmarks/h200_draft.sh run EPOCHS     # the pipeline up to train, EPOCHS epochs
 #   bash benchmarks/h200_draft.sh pack N...      # the drafts after epochs N packed, to $OUT
+#   PACK="1 2 4" bash benchmarks/h200_draft.sh run 4  # run, then pack in the same call
+# A machine goes back 30 s after a call, so the fewest calls after the carrying ones is safest:
+# one call that runs and packs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}; mkdir -p "$OUT"
@@ -46,6 +49,7 @@ run)
   # Below the call's limit: a stopped run keeps its work (regenerate and train resume).
   timeout -s INT "${LIMIT:-540}" "${RUN[@]}" train.epochs="$2" 2>&1 \
     | grep -v "it/s\]\|s/it\]\|conv/s\]\|Loading weights" | tee "$OUT/run_e$2.log" | tail -40
+  [ -n "${PACK:-}" ] && exec bash "$0" pack $PACK
   ;;
 pack)
   shift
@@ -55,12 +59,12 @@ pack)
     rm -rf /tmp/packed_e$n
     python3 -m runner.transfer pack "$train/epochs/$((n - 1))" /tmp/packed_e$n --target "$target" \
       || exit 1
-    # Files come back at most 16 MiB each (8 a call: two drafts): the weights in pieces, put together with
-    # cat; the rest of the folder and the training curve in one tar.
-    split -b 16000000 /tmp/packed_e$n/model.safetensors "$OUT/e${n}_weights.part_"
-    tar -cf "$OUT/draft_e$n.tar" --exclude=model.safetensors -C /tmp "packed_e$n" \
-      -C "$train" metrics.jsonl manifest.json
   done
-  ls -l "$OUT"
+  # Files come back at most 8 a call, 16 MiB each, 64 MiB in all (three packed drafts of 19 MB):
+  # one tar of the drafts and the training curve, in pieces put together here with cat.
+  tar -cf /tmp/drafts.tar -C /tmp $(printf "packed_e%s " "$@") -C "$train" metrics.jsonl \
+    manifest.json || exit 1
+  split -b 16000000 /tmp/drafts.tar "$OUT/drafts.tar.part_"
+  ls -l "$OUT"; sha256sum /tmp/drafts.tar
   ;;
 esac

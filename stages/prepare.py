@@ -5,6 +5,10 @@ Run alone: `python -m runner run.stages=[prepare]`.
 Writes `dataset/` (a `datasets` Arrow folder with input_ids, loss_mask, seq_len, in torch format:
 what speculators' trainer reads) and `sample.txt` (the first row with supervised text marked).
 
+Chat templates are pure Python, so a large run tokenises in worker processes (data.num_proc;
+null picks one per 1,000 conversations, up to the cores); rows, order and counts are the same as
+in one process.
+
 The key holds the data's content (sha256 of each file, or a hub dataset's revision; see
 runner/conversations.py), so a file edited in place is prepared again. Every row not used is
 counted by reason (malformed, unknown_role, no_assistant_turn, template_mismatch, truncated:
@@ -22,7 +26,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections import Counter
+import os
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -115,16 +122,107 @@ def tokenize_conversation(
 
 
 def load_tokenizer(cfg: RunnerConfig, facts: ModelFacts) -> Any:
-    from transformers import AutoTokenizer  # slow import: only when the stage runs
-
-    tok = AutoTokenizer.from_pretrained(facts.path, trust_remote_code=cfg.model.trust_remote_code)
-    if cfg.model.chat_template:
-        tok.chat_template = cfg.model.chat_template
+    tok = _tokenizer(str(facts.path), cfg.model.trust_remote_code, cfg.model.chat_template)
     if not tok.chat_template:
         raise ConfigError(
             "model.chat_template", f"the tokenizer at {facts.path} has no chat template; set one"
         )
     return tok
+
+
+def _tokenizer(path: str, trust_remote_code: bool, chat_template: str | None) -> Any:
+    from transformers import AutoTokenizer  # slow import: only when the stage runs
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if chat_template:
+        tok.chat_template = chat_template
+    return tok
+
+
+# Worker processes: each loads the tokenizer from disk once (a remote-code tokenizer's class
+# cannot always be pickled), then tokenises chunks of conversations in the order given.
+_worker_tok: Any = None
+CHUNK = 64  # conversations a task: big enough to hide the pickling, small enough to stop soon
+
+
+def _init_worker(path: str, trust_remote_code: bool, chat_template: str | None) -> None:
+    global _worker_tok
+    _worker_tok = _tokenizer(path, trust_remote_code, chat_template)
+
+
+def _tokenize_or_none(
+    tok: Any, turns: list[dict], max_len: int, kwargs: dict
+) -> tuple[list[int], list[int]] | None:
+    """tokenize_conversation, with None for a template mismatch (counted by the caller)."""
+    try:
+        return tokenize_conversation(tok, turns, max_len, kwargs)
+    except TemplateMismatch:
+        return None
+
+
+def _tokenize_chunk(chunk: list[list[dict]], max_len: int, kwargs: dict) -> list[Any]:
+    return [_tokenize_or_none(_worker_tok, turns, max_len, kwargs) for turns in chunk]
+
+
+def worker_count(num_proc: int | None, conversations: int) -> int:
+    """data.num_proc, or null's pick: one process per 1,000 conversations, up to the cores."""
+    if num_proc is not None:
+        return num_proc
+    return max(1, min(len(os.sched_getaffinity(0)), conversations // 1000))
+
+
+@dataclasses.dataclass
+class Pool:
+    executor: Executor
+    procs: int
+
+
+def tokenizer_pool(
+    path: str, trust_remote_code: bool, chat_template: str | None, procs: int
+) -> Pool | None:
+    """Worker processes for `procs` > 1, each with the tokenizer at `path` (spawned: the
+    runner's threads must not be forked)."""
+    if procs <= 1:
+        return None
+    import multiprocessing
+
+    executor = ProcessPoolExecutor(
+        max_workers=procs,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(path, trust_remote_code, chat_template),
+    )
+    return Pool(executor, procs)
+
+
+def _tokenized(
+    convs: Iterable[list[dict]], tok: Any, max_len: int, kwargs: dict, pool: Pool | None
+) -> Iterator[tuple[list[dict], Any]]:
+    """(turns, ids and mask or None) for each conversation, in order. With a pool a few chunks
+    per process are in flight; the caller stops when it has its rows and the rest is cancelled."""
+    if pool is None:
+        for turns in convs:
+            yield turns, _tokenize_or_none(tok, turns, max_len, kwargs)
+        return
+    ahead = 2 * pool.procs
+    pending: deque = deque()
+    it = iter(convs)
+    try:
+        while True:
+            while len(pending) < ahead:
+                chunk = [t for _, t in zip(range(CHUNK), it, strict=False)]
+                if not chunk:
+                    break
+                pending.append(
+                    (chunk, pool.executor.submit(_tokenize_chunk, chunk, max_len, kwargs))
+                )
+            if not pending:
+                return
+            chunk, done = pending.popleft()
+            yield from zip(chunk, done.result(), strict=True)
+    finally:
+        for _, f in pending:
+            f.cancel()
 
 
 def marked_text(tok: Any, ids: list[int], mask: list[int]) -> str:
@@ -143,7 +241,7 @@ def marked_text(tok: Any, ids: list[int], mask: list[int]) -> str:
     return "".join(out)
 
 
-def _take(src: Source, tok: Any, kwargs: dict, bar: Any) -> dict[str, Any]:
+def _take(src: Source, tok: Any, kwargs: dict, bar: Any, pool: Pool | None) -> dict[str, Any]:
     """Tokenise `src`'s conversations in order until its quota of usable rows: the rows and the
     counts of what was read, used and dropped."""
     d = src.cfg
@@ -153,15 +251,15 @@ def _take(src: Source, tok: Any, kwargs: dict, bar: Any) -> dict[str, Any]:
     # Rows dropped while reading (read.dropped) and here, by reason.
     dropped = Counter({"template_mismatch": 0, "truncated": 0, "few_assistant_tokens": 0})
     truncated = multi_turn = used = 0
-    for turns in read.turns:
+    tokenized = _tokenized(read.turns, tok, d.max_seq_len, kwargs, pool)
+    for turns, out in tokenized:
         if len(rows) >= src.quota:
             break
         used += 1
-        try:
-            ids, mask = tokenize_conversation(tok, turns, d.max_seq_len, kwargs)
-        except TemplateMismatch:
+        if out is None:
             dropped["template_mismatch"] += 1
             continue
+        ids, mask = out
         if sum(mask) < d.min_assistant_tokens and len(ids) == d.max_seq_len:
             dropped["truncated"] += 1  # data.max_seq_len cut off the assistant's answer
             continue
@@ -172,6 +270,7 @@ def _take(src: Source, tok: Any, kwargs: dict, bar: Any) -> dict[str, Any]:
         multi_turn += sum(1 for t in turns if t["role"] == "assistant") > 1
         rows.append((ids, mask))
         bar.update(1)
+    tokenized.close()  # cancels what is still queued
     if len(rows) < src.quota:
         log.warning("prepare: only %d usable rows of %d asked from %s (%s)", len(rows),
                     src.quota, src.name, src.key)  # fmt: skip
@@ -202,8 +301,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 column="conversations", split="train", revision=None, shuffle=False))
             for i, src in enumerate(mix)
         ]  # fmt: skip
-    bar = tqdm(total=sum(s.quota for s in mix), desc="prepare", unit="row")
-    taken = [_take(src, tok, kwargs, bar) for src in mix]
+    total = sum(s.quota for s in mix)
+    procs = worker_count(cfg.num_proc, total)
+    if procs > 1:
+        log.info("prepare: tokenising in %d processes (data.num_proc)", procs)
+    bar = tqdm(total=total, desc="prepare", unit="row")
+    model = ctx.cfg.model
+    pool = tokenizer_pool(str(ctx.facts.path), model.trust_remote_code, model.chat_template, procs)
+    try:
+        taken = [_take(src, tok, kwargs, bar, pool) for src in mix]
+    finally:
+        if pool is not None:
+            pool.executor.shutdown(cancel_futures=True)
     bar.close()
     merged = interleave([t["rows"] for t in taken], cfg.seed, cfg.shuffle)
     n = len(merged)

@@ -79,3 +79,30 @@ def test_weights_share_the_rows_and_bad_entries_name_their_key(
     with pytest.raises(ConfigError) as info:
         run_job(compose(wrong))
     assert info.value.key == "data.sources[1].column"
+
+
+def test_worker_processes_give_the_rows_of_one_process(
+    tiny_model_dir, chats_jsonl, tmp_path, caplog
+):
+    """data.num_proc tokenises in worker processes (a GPU box's 17.5k ShareGPT conversations took
+    130 s in one): the same rows in the same order, the same counts of what was read and dropped,
+    when a source stops early (ShareGPT: 300 of ~17.6k) and when it runs out (the file: 60)."""
+    import datasets
+
+    prepared = {}
+    for procs in (1, 3):
+        over = _mixed(tiny_model_dir, chats_jsonl, tmp_path / f"p{procs}",
+                      SHAREGPT % "num_samples:300", LOCAL % (chats_jsonl, "num_samples:80"),
+                      samples=380, extra=[f"data.num_proc={procs}"])  # fmt: skip
+        prep = run_job(compose(over)).results["prepare"]
+        manifest = json.loads((prep.path / "manifest.json").read_text())
+        rows = datasets.load_from_disk(str(prep.path / "dataset")).with_format(None)
+        prepared[procs] = (prep.metrics, manifest["sources"], manifest["row_sources"],
+                           rows["input_ids"], rows["loss_mask"])  # fmt: skip
+    assert "tokenising in 3 processes" in caplog.text
+    one, three = prepared[1], prepared[3]
+    metrics = one[0]
+    assert metrics["rows_from"] == {"sharegpt": 300, "chats": 60}
+    assert metrics["dropped"]["truncated"] > 0  # max_seq_len 96 cuts ShareGPT's answers
+    for got, want in zip(three, one, strict=True):
+        assert got == want
