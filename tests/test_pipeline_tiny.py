@@ -73,8 +73,9 @@ def test_numbers_on_the_tiny_model_at_seed_0_are_pinned(first_run):
     assert vocab["coverage"] == 1.0 and vocab["distinct_assistant_tokens"] <= 512
     assert train["steps"] == 8
     assert train["first_loss"] == pytest.approx(0.091892, rel=1e-3)
-    assert train["final_loss"] == pytest.approx(0.028105, rel=1e-3)
-    assert train["val_loss_epoch"] == pytest.approx(0.030931, rel=1e-3)
+    # Re-pinned for the default recipe's Muon at lr 1e-3 (was AdamW 3e-3: 0.028105, 0.030931).
+    assert train["final_loss"] == pytest.approx(0.087302, rel=1e-3)
+    assert train["val_loss_epoch"] == pytest.approx(0.083375, rel=1e-3)
 
 
 def test_layer_statistics_are_recorded(first_run):
