@@ -164,8 +164,10 @@ def main() -> int:
         short = msg.replace("|", "/")[:110]
         print(f"| {i} | {label} | {code} | {seconds:.2f} | `{key}` | {short} |")
     refused = sum(1 for r in rows if r[2] == 2 and r[4] != "-")
-    print(f"\n{refused} of {len(rows)} refused with exit 2 and a key named; "
-          f"slowest {max(r[3] for r in rows):.2f} s")  # fmt: skip
+    print(
+        f"\n{refused} of {len(rows)} refused with exit 2 and a key named; "
+        f"slowest {max(r[3] for r in rows):.2f} s"
+    )
     return 0 if refused == len(rows) else 1
 
 

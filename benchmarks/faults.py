@@ -97,8 +97,15 @@ def main() -> int:
         t0 = time.time()
         again = run_runner(cmd)
         rerun = f"exit {again.returncode} in {time.time() - t0:.0f} s; runs now {_statuses(root)}"
-        row(signal.Signals(sig).name, stage, code, _line(out, "interrupted by") if sig !=
-            signal.SIGKILL else "(none: killed)", status, left, rerun)  # fmt: skip
+        row(
+            signal.Signals(sig).name,
+            stage,
+            code,
+            _line(out, "interrupted by") if sig != signal.SIGKILL else "(none: killed)",
+            status,
+            left,
+            rerun,
+        )
 
     root = base / "damaged"
     assert run_runner(_cmd(model, data, root)).returncode == 0
@@ -107,15 +114,30 @@ def main() -> int:
     victim.write_bytes(victim.read_bytes()[:1000])
     stop = run_runner(_cmd(model, data, root, "train.lr=7e-4", "run.on_damaged=stop"))
     refused = "(no run: refused in the plan)"
-    row("truncated hidden states", "store, between runs", stop.returncode,
-        _line(stop.stderr, "stage error"), refused, _left(root), "-")  # fmt: skip
+    row(
+        "truncated hidden states",
+        "store, between runs",
+        stop.returncode,
+        _line(stop.stderr, "stage error"),
+        refused,
+        _left(root),
+        "-",
+    )
     again = run_runner(_cmd(model, data, root, "train.lr=7e-4"))
-    row("truncated hidden states", "store, between runs (recompute)", again.returncode,
-        _line(again.stdout + again.stderr, "damaged"), _statuses(root)[-1], _left(root),
-        "extract recomputed, the damaged copy set aside")  # fmt: skip
-    (train,) = (p for p in (root / "store" / "train").iterdir()
-                if p.is_dir() and json.loads((p / "manifest.json").read_text())["config"]["lr"]
-                != 7e-4)  # fmt: skip
+    row(
+        "truncated hidden states",
+        "store, between runs (recompute)",
+        again.returncode,
+        _line(again.stdout + again.stderr, "damaged"),
+        _statuses(root)[-1],
+        _left(root),
+        "extract recomputed, the damaged copy set aside",
+    )
+    (train,) = (
+        p
+        for p in (root / "store" / "train").iterdir()
+        if p.is_dir() and json.loads((p / "manifest.json").read_text())["config"]["lr"] != 7e-4
+    )
     draft = train / "draft" / "model.safetensors"
     st = draft.stat()
     blob = bytearray(draft.read_bytes())
@@ -123,17 +145,39 @@ def main() -> int:
     draft.write_bytes(bytes(blob))
     os.utime(draft, ns=(st.st_atime_ns, st.st_mtime_ns))
     ev = run_runner(_cmd(model, data, root, "run.stages=[evaluate]"))
-    row("4 KiB of the draft zeroed, size and time kept", "store, before evaluate", ev.returncode,
-        _line(ev.stderr, "stage error"), _statuses(root)[-1], _left(root), "-")  # fmt: skip
+    row(
+        "4 KiB of the draft zeroed, size and time kept",
+        "store, before evaluate",
+        ev.returncode,
+        _line(ev.stderr, "stage error"),
+        _statuses(root)[-1],
+        _left(root),
+        "-",
+    )
 
     root = base / "concurrent"
     cmd = _cmd(model, data, root, "run.stages=[prepare]")
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=runner_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=runner_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
-    row("two first runs at once", "fresh output root", [p.returncode for p in procs],
+    row(
+        "two first runs at once",
+        "fresh output root",
+        [p.returncode for p in procs],
         f"prepare computed {sum('prepare   computed' in o for o in outs)}x",
-        _statuses(root), _left(root), f"third run exit {run_runner(cmd).returncode}")  # fmt: skip
+        _statuses(root),
+        _left(root),
+        f"third run exit {run_runner(cmd).returncode}",
+    )
 
     root = base / "full"
     if _mount_tmpfs(root / "store", "400k"):
@@ -143,23 +187,38 @@ def main() -> int:
             status, left = _statuses(root), _left(root)
             subprocess.run(["mount", "-o", "remount,size=64m", str(root / "store")], check=True)
             again = run_runner(cmd)
-            row("disk full (400 KiB tmpfs under store/)", "extract writing", full.returncode,
-                _line(full.stderr, "stage error"), status, left,
-                f"after growing it: exit {again.returncode}")  # fmt: skip
+            row(
+                "disk full (400 KiB tmpfs under store/)",
+                "extract writing",
+                full.returncode,
+                _line(full.stderr, "stage error"),
+                status,
+                left,
+                f"after growing it: exit {again.returncode}",
+            )
         finally:
             subprocess.run(["umount", "-l", str(root / "store")], capture_output=True)
 
     root = base / "locked"
-    argv = [*tiny_overrides(model, data, root, CAPTURE),
-            "+train.extra_args.data_path=/nonexistent/dataset"]  # fmt: skip
+    argv = [
+        *tiny_overrides(model, data, root, CAPTURE),
+        "+train.extra_args.data_path=/nonexistent/dataset",
+    ]
     script = runner_with_failing_end(argv)
     proc = run_runner([sys.executable, "-c", script])
     status = _statuses(root)
     again = run_runner(_cmd(model, data, root))
-    row("MLflow store locked when the run ends", "train fails, then end_run", proc.returncode,
-        _line(proc.stderr, "stage error") + " / " + _line(proc.stdout + proc.stderr,
-        "could not mark"), status, _left(root),
-        f"next run exit {again.returncode}; runs now {_statuses(root)}")  # fmt: skip
+    row(
+        "MLflow store locked when the run ends",
+        "train fails, then end_run",
+        proc.returncode,
+        _line(proc.stderr, "stage error")
+        + " / "
+        + _line(proc.stdout + proc.stderr, "could not mark"),
+        status,
+        _left(root),
+        f"next run exit {again.returncode}; runs now {_statuses(root)}",
+    )
 
     print("\n| fault | where | exit | message | MLflow | left behind | rerun |")
     print("|---|---|---|---|---|---|---|")

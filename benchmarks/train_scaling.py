@@ -33,27 +33,61 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = {
-    "kimi": dict(hidden=7168, vocab=163840, draft_vocab=32000, inter=18432, heads=64, kv=64,
-                 layers=61, aux=[2, 30, 58], seq=8192),
-    "smollm2": dict(hidden=576, vocab=49152, draft_vocab=8192, inter=1536, heads=9, kv=3,
-                    layers=30, aux=[2, 15, 27], seq=8192),
-    "tiny": dict(hidden=64, vocab=4096, draft_vocab=512, inter=128, heads=4, kv=2, layers=4,
-                 aux=[0, 2, 3], seq=512),
-}  # fmt: skip
+    "kimi": dict(
+        hidden=7168,
+        vocab=163840,
+        draft_vocab=32000,
+        inter=18432,
+        heads=64,
+        kv=64,
+        layers=61,
+        aux=[2, 30, 58],
+        seq=8192,
+    ),
+    "smollm2": dict(
+        hidden=576,
+        vocab=49152,
+        draft_vocab=8192,
+        inter=1536,
+        heads=9,
+        kv=3,
+        layers=30,
+        aux=[2, 15, 27],
+        seq=8192,
+    ),
+    "tiny": dict(
+        hidden=64,
+        vocab=4096,
+        draft_vocab=512,
+        inter=128,
+        heads=4,
+        kv=2,
+        layers=4,
+        aux=[0, 2, 3],
+        seq=512,
+    ),
+}
 
 
 def overrides(root: Path, shape: str, extra: list[str]) -> list[str]:
     s = SHAPES[shape]
     on_gpu = shape != "tiny"
     return [
-        "model=hf", f"model.source={root / 'target'}", f"model.name={shape}-shape",
+        "model=hf",
+        f"model.source={root / 'target'}",
+        f"model.name={shape}-shape",
         f"model.capture_layers=[{','.join(map(str, s['aux']))}]",
-        "data=local_file", f"data.source={root / 'rows.jsonl'}",
+        "data=local_file",
+        f"data.source={root / 'rows.jsonl'}",
         f"data.max_seq_len={min(2048, s['seq'])}",
         *(["hardware=gpu1", "train=eagle3_gpu"] if on_gpu else ["train.num_workers=0"]),
-        f"train.draft_vocab_size={s['draft_vocab']}", f"train.total_seq_len={s['seq']}",
-        "train.epochs=1", "train.log_freq=1", f"run.output_root={root / 'out'}", *extra,
-    ]  # fmt: skip
+        f"train.draft_vocab_size={s['draft_vocab']}",
+        f"train.total_seq_len={s['seq']}",
+        "train.epochs=1",
+        "train.log_freq=1",
+        f"run.output_root={root / 'out'}",
+        *extra,
+    ]
 
 
 def setup(args: argparse.Namespace) -> None:
@@ -72,18 +106,31 @@ def setup(args: argparse.Namespace) -> None:
     s, root = SHAPES[args.shape], Path(args.root)
     target = root / "target"
     target.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
-                         intermediate_size=s["inter"], num_hidden_layers=s["layers"],
-                         num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
-                         max_position_embeddings=32768, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv"],
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(target)
     # speculators reads the target's tokenizer for its special tokens only: a four-token one.
     words = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>", unk_token="<unk>")  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
     fast.save_pretrained(target)
     g = torch.Generator().manual_seed(0)
     weights = {
@@ -104,8 +151,12 @@ def setup(args: argparse.Namespace) -> None:
     def publish(stage: str, fill) -> Path:
         p = planned[stage]
         if store.get(stage, p.key) is None:
-            manifest = {"config": p.stage.key_config(cfg, facts), "model": facts.as_dict(),
-                        "metrics": {}, "synthetic": True}  # fmt: skip
+            manifest = {
+                "config": p.stage.key_config(cfg, facts),
+                "model": facts.as_dict(),
+                "metrics": {},
+                "synthetic": True,
+            }
             with store.writing(stage, p.key, manifest) as tmp:
                 fill(tmp, manifest)
         return store.path(stage, p.key)
@@ -116,8 +167,9 @@ def setup(args: argparse.Namespace) -> None:
         # Rows repeat every `files`, as the hidden-state files below do.
         distinct = torch.randint(3, s["vocab"], (files, n), generator=g).tolist()
         ids = [distinct[i % files] for i in range(rows)]
-        ds = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * n] * rows,
-                                         "seq_len": [n] * rows})  # fmt: skip
+        ds = datasets.Dataset.from_dict(
+            {"input_ids": ids, "loss_mask": [[1] * n] * rows, "seq_len": [n] * rows}
+        )
         ds.set_format("torch")
         ds.save_to_disk(str(tmp / "dataset"))
         manifest["metrics"] = {"rows": rows, "tokens": rows * n}
@@ -132,8 +184,9 @@ def setup(args: argparse.Namespace) -> None:
         for i in range(rows):
             if i < files:  # in the configured storage (extract.storage), as extract writes
                 hs = (torch.randn(n, slots, s["hidden"], generator=g) * 0.5).to(torch.bfloat16)
-                write_sample(out / f"hs_{i}.safetensors", hs, ds[i]["input_ids"],
-                             cfg.extract.storage)  # fmt: skip
+                write_sample(
+                    out / f"hs_{i}.safetensors", hs, ds[i]["input_ids"], cfg.extract.storage
+                )
             else:  # the same states again: token ids must match, so rows repeat too
                 os.link(out / f"hs_{i % files}.safetensors", out / f"hs_{i}.safetensors")
         (tmp / "capture_ids.json").write_text(json.dumps(list(facts.extract_ids)))
@@ -151,8 +204,10 @@ def setup(args: argparse.Namespace) -> None:
     publish("prepare", prepare)
     publish("extract", extract)
     publish("vocab", vocab)
-    print(f"synthetic {args.shape} store in {root / 'out'}: {rows} rows x {n} tokens, "
-          f"{files} distinct hidden-state files")  # fmt: skip
+    print(
+        f"synthetic {args.shape} store in {root / 'out'}: {rows} rows x {n} tokens, "
+        f"{files} distinct hidden-state files"
+    )
 
 
 def tokens_per_s(records: list[dict], skip: int = 5) -> float:
@@ -163,8 +218,12 @@ def tokens_per_s(records: list[dict], skip: int = 5) -> float:
 
 def train(args: argparse.Namespace) -> None:
     root = Path(args.root)
-    extra = ["run.stages=[train]", "run.force=[train]", f"train.max_steps={args.steps}",
-             *args.overrides]  # fmt: skip
+    extra = [
+        "run.stages=[train]",
+        "run.force=[train]",
+        f"train.max_steps={args.steps}",
+        *args.overrides,
+    ]
     if args.shape != "tiny":
         extra += [f"hardware.num_gpus={max(args.gpus, 1)}", f"train.num_gpus={args.gpus}"]
     if args.fsdp:
@@ -183,16 +242,22 @@ def train(args: argparse.Namespace) -> None:
     m = json.loads((art / "manifest.json").read_text())
     records = [json.loads(x) for x in (art / "metrics.jsonl").read_text().splitlines()]
     result = {
-        "gpus": args.gpus, "fsdp": args.fsdp, "shape": args.shape,
+        "gpus": args.gpus,
+        "fsdp": args.fsdp,
+        "shape": args.shape,
         # speculators' step profile counts the tokens of rank 0's batch; every rank takes as
         # many (packed batches of total_seq_len), so the total is ranks times that.
         "tokens_per_s": tokens_per_s(records) * max(args.gpus, 1),
-        "tokens_per_s_per_gpu": tokens_per_s(records), "wall_s": time.time() - t0,
+        "tokens_per_s_per_gpu": tokens_per_s(records),
+        "wall_s": time.time() - t0,
         "stage_s": m["seconds"],
-        **{k: v for k, v in m["metrics"].items()
-           if k.startswith("peak_") or k in ("steps", "ranks", "resumes", "steps_redone")},
+        **{
+            k: v
+            for k, v in m["metrics"].items()
+            if k.startswith("peak_") or k in ("steps", "ranks", "resumes", "steps_redone")
+        },
         "plan_memory": plan[0].strip() if plan else "",
-    }  # fmt: skip
+    }
     (root / "last_argv.json").write_text(json.dumps(m["speculators_argv"]))
     print(json.dumps(result))
 
@@ -200,8 +265,11 @@ def train(args: argparse.Namespace) -> None:
 def direct(args: argparse.Namespace) -> None:
     """speculators' own trainer, plain (with the one fix torch 2.11 needs), same argv."""
     root = Path(args.root)
-    argv = [a for a in json.loads((root / "last_argv.json").read_text())
-            if a not in ("--logger", "mlflow")]  # fmt: skip
+    argv = [
+        a
+        for a in json.loads((root / "last_argv.json").read_text())
+        if a not in ("--logger", "mlflow")
+    ]
     argv[argv.index("--save-path") + 1] = tempfile.mkdtemp(prefix="direct_", dir=root)
     t0 = time.time()
     from benchmarks.train_bench import direct as run_direct

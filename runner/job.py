@@ -164,8 +164,9 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
         raise
 
     pipeline.tracker = tracker
-    pipeline.disk_needs = {k.split(".", 1)[1]: v for k, v in plan.numbers.items()
-                           if k.startswith("disk_need.")}  # fmt: skip
+    pipeline.disk_needs = {
+        k.split(".", 1)[1]: v for k, v in plan.numbers.items() if k.startswith("disk_need.")
+    }
     run_id = tracker.start(_run_name(cfg), _run_tags(target))
     try:
         _log_config(tracker, cfg, target)
@@ -258,8 +259,9 @@ def _log_outputs(tracker: Tracker, cfg: RunnerConfig, r: StageResult) -> None:
         for name, fig in (r.stage.figures(r.metrics, r.path) if r.stage.figures else {}).items():
             tracker.log_figure(fig, name)
     except Exception as exc:  # a figure is a view of the results: never a reason to fail
-        log.warning("[%s] could not log its tables or figures: %s: %s", r.name,
-                    type(exc).__name__, exc)  # fmt: skip
+        log.warning(
+            "[%s] could not log its tables or figures: %s: %s", r.name, type(exc).__name__, exc
+        )
 
 
 def _end_failed(tracker: Tracker, status: str) -> None:
@@ -270,8 +272,12 @@ def _end_failed(tracker: Tracker, status: str) -> None:
     except Exception as exc:
         log.error(
             "could not mark MLflow run %s %s in %s (%s: %s); the next run on this store marks it",
-            tracker.run_id, status, tracker.uri, type(exc).__name__, str(exc)[:300],
-        )  # fmt: skip
+            tracker.run_id,
+            status,
+            tracker.uri,
+            type(exc).__name__,
+            str(exc)[:300],
+        )
 
 
 def _objective(results: dict[str, StageResult]) -> float | None:
@@ -284,8 +290,9 @@ def _objective(results: dict[str, StageResult]) -> float | None:
 def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> tuple[str, str]:
     """The end-of-run summary for the console (the stages, then what they found), and the run's
     description in MLflow (what they found first: the page shows its first lines)."""
-    table = [f"  {r.name:<9} {r.status:<8} {r.seconds:7.1f} s  {r.path}"
-             for r in result.results.values()]  # fmt: skip
+    table = [
+        f"  {r.name:<9} {r.status:<8} {r.seconds:7.1f} s  {r.path}" for r in result.results.values()
+    ]
     found, key = [], []
     for r in result.results.values():
         if r.stage.summary is not None:
@@ -297,8 +304,9 @@ def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> tuple[st
     if logs:
         found.append(f"  logs: {', '.join(logs)}")
     head = f"==== eagle3 runner: done in {result.seconds:.1f} s ===="
-    console = "\n".join(["", head, *table, *found, *key,
-                         f"  MLflow run {result.run_id}: {tracker.ui_command()}"])  # fmt: skip
+    console = "\n".join(
+        ["", head, *table, *found, *key, f"  MLflow run {result.run_id}: {tracker.ui_command()}"]
+    )
     description = "\n".join([head, *(x[2:] for x in [*key, *found]), "", "stages:", *table])
     return console, description
 

@@ -37,9 +37,22 @@ log = logging.getLogger("runner")
 PREFIX = "miniature:"
 BUILDERS = ("kimi_k25",)
 # Kimi-K2.5's special tokens (its ids are 163584 and up; here they follow the small vocabulary).
-KIMI_SPECIAL = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
-                "<|im_system|>", "<|im_middle|>", "<|media_start|>", "<|media_content|>",
-                "<|media_end|>", "<|media_pad|>", "<think>", "</think>", "[PAD]"]  # fmt: skip
+KIMI_SPECIAL = [
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<|media_start|>",
+    "<|media_content|>",
+    "<|media_end|>",
+    "<|media_pad|>",
+    "<think>",
+    "</think>",
+    "[PAD]",
+]
 # Kimi's turn format; thinking mode is the default, `thinking=false` closes the think block in
 # the generation prompt. Earlier assistant turns are rendered without their reasoning.
 KIMI_TEMPLATE = (
@@ -126,10 +139,12 @@ def _tokenizer(out: Path) -> int:
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(_training_text(), vocab_size=VOCAB - len(KIMI_SPECIAL),
-                            min_frequency=2, show_progress=False)  # fmt: skip
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="[BOS]",
-                                  eos_token="[EOS]", pad_token="[PAD]")  # fmt: skip
+    bpe.train_from_iterator(
+        _training_text(), vocab_size=VOCAB - len(KIMI_SPECIAL), min_frequency=2, show_progress=False
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]"
+    )
     tok.add_special_tokens({"additional_special_tokens": KIMI_SPECIAL})
     tok.chat_template = KIMI_TEMPLATE
     tok.save_pretrained(out)
@@ -157,28 +172,70 @@ def build_kimi_k25(out: Path, seed: int = 0) -> Path:
     added = json.loads((out / "kimi_mini_bpe.json").read_text())["added_tokens"]
     special = {t["content"]: t["id"] for t in added}
     text = dict(
-        model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], vocab_size=vocab,
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
-        num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1, q_lora_rank=32,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=1,
-        topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
-        routed_scaling_factor=2.827, max_position_embeddings=4096, rope_theta=50000.0,
-        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                      "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-        rms_norm_eps=1e-5, num_nextn_predict_layers=0, tie_word_embeddings=False,
-        bos_token_id=special["[BOS]"], eos_token_id=special["[EOS]"],
+        model_type="kimi_k2",
+        architectures=["DeepseekV3ForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        q_lora_rank=32,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_group=1,
+        topk_group=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.827,
+        max_position_embeddings=4096,
+        rope_theta=50000.0,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        rms_norm_eps=1e-5,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+        bos_token_id=special["[BOS]"],
+        eos_token_id=special["[EOS]"],
         pad_token_id=special["[PAD]"],
-    )  # fmt: skip
-    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  intermediate_size=64, patch_size=14, merge_kernel_size=[2, 2],
-                  pos_emb_height=8, pos_emb_width=8)  # fmt: skip
+    )
+    vision = dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        patch_size=14,
+        merge_kernel_size=[2, 2],
+        pos_emb_height=8,
+        pos_emb_width=8,
+    )
     config = Kimi_K25Config(
-        text_config=text, vision_config=vision, projection_hidden_size=32,
-        tie_word_embeddings=False, media_placeholder_token_id=special["<|media_pad|>"],
-        image_token_id=special["<|media_pad|>"], bos_token_id=special["[BOS]"],
-        eos_token_id=special["[EOS]"], pad_token_id=special["[PAD]"],
-    )  # fmt: skip
+        text_config=text,
+        vision_config=vision,
+        projection_hidden_size=32,
+        tie_word_embeddings=False,
+        media_placeholder_token_id=special["<|media_pad|>"],
+        image_token_id=special["<|media_pad|>"],
+        bos_token_id=special["[BOS]"],
+        eos_token_id=special["[EOS]"],
+        pad_token_id=special["[PAD]"],
+    )
     torch.manual_seed(seed)
     model = Kimi_K25ForConditionalGeneration(config)
     with torch.no_grad():
@@ -202,11 +259,18 @@ def build_kimi_k25(out: Path, seed: int = 0) -> Path:
         f.chmod(0o644)  # safetensors writes 0600: a model folder is readable by all
     # The media preprocessing settings vLLM's Kimi-K2.5 processor reads (the real model's keys;
     # small patch limits, so that vLLM's start-up profiling of the vision tower stays cheap).
-    media = {"patch_size": 14, "merge_kernel_size": [2, 2], "temporal_merge_kernel_size": 4,
-             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-             "in_patch_limit": 256, "patch_limit_on_one_side": 32,
-             "in_patch_limit_each_frame": 256, "in_patch_limit_video": 256,
-             "fixed_output_tokens": None}  # fmt: skip
+    media = {
+        "patch_size": 14,
+        "merge_kernel_size": [2, 2],
+        "temporal_merge_kernel_size": 4,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "in_patch_limit": 256,
+        "patch_limit_on_one_side": 32,
+        "in_patch_limit_each_frame": 256,
+        "in_patch_limit_video": 256,
+        "fixed_output_tokens": None,
+    }
     (out / "preprocessor_config.json").write_text(
         json.dumps(
             {"image_processor_type": "Kimi_K25ImageProcessor", "media_proc_cfg": media}, indent=2

@@ -149,8 +149,12 @@ class Pipeline:
             )
         if not self.cfg.run.plan_only:
             aside = self.store.set_aside(art)
-            log.warning("[%s] stored artifact damaged (%s): moved to %s; computing it again",
-                        stage, wrong, aside)  # fmt: skip
+            log.warning(
+                "[%s] stored artifact damaged (%s): moved to %s; computing it again",
+                stage,
+                wrong,
+                aside,
+            )
         return False
 
     def _why(self, stage: Stage, config_slice: Any, upstream: dict[str, str]) -> str:
@@ -175,8 +179,11 @@ class Pipeline:
         if m.get("stage_version") != stage.version:
             parts.append(f"stage version {m.get('stage_version')} -> {stage.version}")
         libs = versions(dict(stage.libraries))
-        moved = [f"{n} {m.get('versions', {}).get(n)} -> {v}" for n, v in libs.items()
-                 if m.get("versions", {}).get(n) != v]  # fmt: skip
+        moved = [
+            f"{n} {m.get('versions', {}).get(n)} -> {v}"
+            for n, v in libs.items()
+            if m.get("versions", {}).get(n) != v
+        ]
         if moved:
             parts.append("libraries: " + ", ".join(moved))
         return "; ".join(parts or ["key differs"]) + f" (vs {latest.key})"
@@ -258,9 +265,10 @@ class Pipeline:
         # Cached stages log their recorded metrics too, so every run holds all of them.
         stage = p.stage
         metrics = {
-            k: v for k, v in manifest.get("metrics", {}).items()
+            k: v
+            for k, v in manifest.get("metrics", {}).items()
             if not (stage.curves and k.startswith(stage.curve_copies))
-        }  # fmt: skip
+        }
         self.tracker.log_metrics(metrics, prefix=f"{p.name}/")
         if stage.curves and status == "cached" and (art.path / stage.curves).is_file():
             self.tracker.replay_curves(art.path / stage.curves)

@@ -53,9 +53,11 @@ def _start_reaper(pid: int) -> subprocess.Popen | None:
     try:
         return subprocess.Popen(
             [sys.executable, "-m", "runner.reaper", str(pid)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": path},
-        )  # fmt: skip
+        )
     except OSError as exc:  # the child still dies with the runner, only less promptly
         log.warning("could not start the reaper for pid %d: %s", pid, exc)
         return None

@@ -32,8 +32,13 @@ def _find_run(client: Any, experiment: str, run_id: str | None) -> Any:
     if run_id:
         return client.get_run(run_id)
     exp = client.get_experiment_by_name(experiment)
-    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"],
-                              max_results=200) if exp else []  # fmt: skip
+    runs = (
+        client.search_runs(
+            [exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=200
+        )
+        if exp
+        else []
+    )
     for run in runs:
         if "path.train" in run.data.tags and run.info.status == "FINISHED":
             return run
@@ -77,8 +82,11 @@ def model_card(run: Any, draft_config: dict[str, Any], repo: str, local: str | N
         pre = "evaluate/" if i == 0 else f"evaluate/{name}/"
         if f"{pre}acceptance_length" not in m:
             continue
-        positions = sorted((int(key.rsplit("_", 1)[1]), v) for key, v in m.items()
-                           if key.startswith(f"{pre}acceptance_pos_"))  # fmt: skip
+        positions = sorted(
+            (int(key.rsplit("_", 1)[1]), v)
+            for key, v in m.items()
+            if key.startswith(f"{pre}acceptance_pos_")
+        )
         per_pos = " / ".join(f"{v:.3f}" for _, v in positions)
         random = m.get("evaluate/random_acceptance_length") if i == 0 else None
         rows.append(
@@ -87,24 +95,33 @@ def model_card(run: Any, draft_config: dict[str, Any], repo: str, local: str | N
             f"{'-' if random is None else f'{random:.3f}'} |"
         )
     acceptance = "\n".join(rows) or "| not evaluated | | | | |"
-    front_yaml = "\n".join([
-        f"base_model: {json.dumps(base)}", "library_name: speculators", "tags:",
-        *(f"  - {t}" for t in ("speculative-decoding", "eagle3", "speculators", "vllm")),
-    ])  # fmt: skip
+    front_yaml = "\n".join(
+        [
+            f"base_model: {json.dumps(base)}",
+            "library_name: speculators",
+            "tags:",
+            *(f"  - {t}" for t in ("speculative-decoding", "eagle3", "speculators", "vllm")),
+        ]
+    )
     aux = draft_config.get("eagle_aux_hidden_state_layer_ids")
     vocab = f"{draft_config.get('draft_vocab_size')} of {p.get('resolved.vocab_size')}"
     rows = f"{int(m.get('prepare/rows', 0))} rows of up to {p.get('data.max_seq_len')} tokens"
-    recipe = (f"{p.get('train.epochs')} epoch(s), lr {p.get('train.lr')}, "
-              f"{p.get('train.optimizer')}, {p.get('train.ttt_steps')} TTT steps")  # fmt: skip
-    table = "\n".join([
-        "| | |", "|---|---|",
-        f"| target | {base} ({ours.get('target_num_layers')} decoder layers) |",
-        f"| capture ids | {ours.get('capture_ids')}: {ours.get('layer_id_convention')} |",
-        f"| aux layer ids (`eagle_aux_hidden_state_layer_ids`) | {aux} |",
-        f"| draft vocabulary | {vocab} target tokens |",
-        f"| data | {p.get('data.name')} ({p.get('data.source')}), {rows} |",
-        f"| training | {recipe} |",
-    ])  # fmt: skip
+    recipe = (
+        f"{p.get('train.epochs')} epoch(s), lr {p.get('train.lr')}, "
+        f"{p.get('train.optimizer')}, {p.get('train.ttt_steps')} TTT steps"
+    )
+    table = "\n".join(
+        [
+            "| | |",
+            "|---|---|",
+            f"| target | {base} ({ours.get('target_num_layers')} decoder layers) |",
+            f"| capture ids | {ours.get('capture_ids')}: {ours.get('layer_id_convention')} |",
+            f"| aux layer ids (`eagle_aux_hidden_state_layer_ids`) | {aux} |",
+            f"| draft vocabulary | {vocab} target tokens |",
+            f"| data | {p.get('data.name')} ({p.get('data.source')}), {rows} |",
+            f"| training | {recipe} |",
+        ]
+    )
     local_section = (
         ""
         if not local
@@ -159,8 +176,9 @@ def publish(run: Any, out: Path, repo: str | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runner.publish",
-                                 description=__doc__.splitlines()[0])  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m runner.publish", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("out", help="the folder to write (must not exist, or be empty)")
     ap.add_argument("--run", help="MLflow run id (default: the newest run that trained a draft)")
     ap.add_argument("--repo-id", help="hub repository id, used in the card's serve command")

@@ -57,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     run = client.get_run(run_id)
     tags = run.data.tags
     if "sweep.config" in tags:
-        print(f"sweep {tags.get('sweep.config', '?')} ({run_id}, {run.info.status}): "
-              f"{tags.get('sweep.overrides', '')}")  # fmt: skip
+        print(
+            f"sweep {tags.get('sweep.config', '?')} ({run_id}, {run.info.status}): "
+            f"{tags.get('sweep.overrides', '')}"
+        )
         print(render_table(comparison_rows(client, run_id)))
     else:
         print(f"run {tags.get('mlflow.runName', '')} ({run_id}, {run.info.status})")

@@ -681,8 +681,16 @@ class RunnerConfig:
     def check(self, stage_names: tuple[str, ...]) -> None:
         """Every check that needs nothing but this config: each section's own, then the few
         between sections."""
-        sections = (self.model, self.hardware, self.data, self.regenerate, self.extract,
-                    self.train, self.eval, self.tracking)  # fmt: skip
+        sections = (
+            self.model,
+            self.hardware,
+            self.data,
+            self.regenerate,
+            self.extract,
+            self.train,
+            self.eval,
+            self.tracking,
+        )
         for section in sections:
             section.check()
         self.run.check(stage_names)

@@ -41,8 +41,9 @@ def get(key: str, start: Callable[[], Any]) -> tuple[Any, bool]:
             server.check_alive()
             return server, True
         except Exception:
-            log.warning("[%s] the sweep's shared vLLM server has exited; starting another",
-                        server.label)  # fmt: skip
+            log.warning(
+                "[%s] the sweep's shared vLLM server has exited; starting another", server.label
+            )
             server.stop()
             del _SERVERS[key]
     server = start()

@@ -88,8 +88,11 @@ def describe_files(folder: Path) -> tuple[list[dict[str, Any]], int]:
     listing = []
     for p in files:
         st = p.stat()
-        entry: dict[str, Any] = {"path": str(p.relative_to(folder)), "bytes": st.st_size,
-                                 "mtime_ns": st.st_mtime_ns}  # fmt: skip
+        entry: dict[str, Any] = {
+            "path": str(p.relative_to(folder)),
+            "bytes": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+        }
         if hashed:
             entry["sha256"] = _sha256(p)
         listing.append(entry)

@@ -155,8 +155,9 @@ def run_row(child: Any, swept: list[str]) -> dict[str, Any]:
             mine = {k[len(prefix) :]: v for k, v in m.items() if k.startswith(prefix)}
             for other in stage.also_reads:
                 name = other.rstrip("/") + "_"
-                mine.update({name + k[len(other) :]: v for k, v in m.items()
-                             if k.startswith(other)})  # fmt: skip
+                mine.update(
+                    {name + k[len(other) :]: v for k, v in m.items() if k.startswith(other)}
+                )
             row.update(stage.columns(mine))
     names = [s.name for s in stages]
     row["computed"] = ",".join(s for s in names if t.get(f"stage.{s}") == "computed")

@@ -71,8 +71,11 @@ def process_start(pid: int) -> str:
 def process_tags() -> dict[str, str]:
     """Who owns a run: a later run reconciles it if this process dies without closing it."""
     pid = os.getpid()
-    return {"runner.host": socket.gethostname(), "runner.pid": str(pid),
-            "runner.pid_start": process_start(pid)}  # fmt: skip
+    return {
+        "runner.host": socket.gethostname(),
+        "runner.pid": str(pid),
+        "runner.pid_start": process_start(pid),
+    }
 
 
 def _alive(pid: str | None, started: str | None) -> bool:
@@ -135,8 +138,10 @@ def missing_store(uri: str) -> str | None:
     """For a read-only command (report, publish): why the store at `uri` is not there (a SQLite
     file that does not exist: opening it would create an empty one), or None."""
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
-        return (f"no MLflow store at {uri[len('sqlite:///'):]}; run from the folder that holds "
-                "outputs/, or pass --output-root DIR or --tracking-uri URI")  # fmt: skip
+        return (
+            f"no MLflow store at {uri[len('sqlite:///') :]}; run from the folder that holds "
+            "outputs/, or pass --output-root DIR or --tracking-uri URI"
+        )
     return None
 
 

@@ -72,14 +72,22 @@ def pack(draft: Path, out: Path, target: Path) -> dict[str, Any]:
             continue
         where = _find_in_target(t, target)
         if where is not None:
-            omitted[name] = {"file": where[0], "tensor": where[1], "sha256": _sha256(t),
-                             "shape": list(t.shape), "dtype": str(t.dtype)}  # fmt: skip
+            omitted[name] = {
+                "file": where[0],
+                "tensor": where[1],
+                "sha256": _sha256(t),
+                "shape": list(t.shape),
+                "dtype": str(t.dtype),
+            }
     with new_folder(out) as tmp:
         for f in draft.iterdir():
             if f.is_file() and f.name != WEIGHTS:
                 shutil.copy2(f, tmp / f.name)
-        save_file({k: v for k, v in weights.items() if k not in omitted}, str(tmp / WEIGHTS),
-                  metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {k: v for k, v in weights.items() if k not in omitted},
+            str(tmp / WEIGHTS),
+            metadata={"format": "pt"},
+        )
         record = {"omitted": omitted, "target_hint": str(target)}
         (tmp / MANIFEST).write_text(json.dumps(record, indent=1))
     return record
@@ -97,8 +105,10 @@ def unpack(packed: Path, out: Path, target: Path) -> dict[str, Any]:
             with safe_open(str(path), "pt") as fh:
                 t = fh.get_tensor(how["tensor"])
         except Exception as exc:  # a missing file or tensor: safetensors raises several kinds
-            raise ValueError(f"{path}: no tensor {how['tensor']} ({exc}); is {target} the "
-                             "target this draft was trained for?") from None  # fmt: skip
+            raise ValueError(
+                f"{path}: no tensor {how['tensor']} ({exc}); is {target} the "
+                "target this draft was trained for?"
+            ) from None
         if _sha256(t) != how["sha256"]:
             raise ValueError(
                 f"{how['tensor']} of {target} differs from the one the draft was trained with "
@@ -114,8 +124,9 @@ def unpack(packed: Path, out: Path, target: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runner.transfer",
-                                 description=__doc__.splitlines()[0])  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m runner.transfer", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("action", choices=("pack", "unpack"))
     ap.add_argument("src", type=Path, help="the draft folder (pack) or the packed one (unpack)")
     ap.add_argument("out", type=Path, help="the folder to write (must not exist, or be empty)")

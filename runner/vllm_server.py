@@ -51,9 +51,16 @@ log = logging.getLogger("runner")
 DEFAULT_COMMAND = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
 _ECHO_AFTER_READY = ("ERROR", "WARNING", "Traceback", "Error")
 # While it loads, the milestones too (the full log is in the file; route listings never echo).
-_ECHO_WHILE_LOADING = (*_ECHO_AFTER_READY, "Starting vLLM", "Resolved architecture",
-                       "Loading weights took", "Model loading took", "init engine",
-                       "KV cache", "Application startup complete")  # fmt: skip
+_ECHO_WHILE_LOADING = (
+    *_ECHO_AFTER_READY,
+    "Starting vLLM",
+    "Resolved architecture",
+    "Loading weights took",
+    "Model loading took",
+    "init engine",
+    "KV cache",
+    "Application startup complete",
+)
 
 
 def _echo_line(line: str, ready: bool) -> bool:
@@ -153,8 +160,9 @@ class ExistingServer(_ServerApi):
     def __enter__(self) -> ExistingServer:
         self.check_alive()
         self.model_id = self.served_model()
-        log.info("[%s] using the running vLLM server at %s (%s)", self.label, self.base,
-                 self.model_id)  # fmt: skip
+        log.info(
+            "[%s] using the running vLLM server at %s (%s)", self.label, self.base, self.model_id
+        )
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -178,8 +186,17 @@ def command_line(
     api_server): the model, host and port, the stage's flags, then `hardware.vllm.extra_args`."""
     v = cfg.hardware.vllm
     base = list(v.command) or list(DEFAULT_COMMAND)
-    return [*base, "--model", str(model_path), "--host", host, "--port", str(port), *args,
-            *[str(a) for a in v.extra_args]]  # fmt: skip
+    return [
+        *base,
+        "--model",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *args,
+        *[str(a) for a in v.extra_args],
+    ]
 
 
 def shell_command(cfg: RunnerConfig, model_path: str, args: Sequence[str], port: int = 8000) -> str:

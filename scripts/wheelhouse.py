@@ -117,11 +117,22 @@ def build(args: argparse.Namespace) -> int:
     have, _ = read_have(Path(args.have) if args.have else None)
     skip = {normalise(x) for x in args.exclude} | have
     platforms = [f"--platform={p}_{args.arch}" for p in MANYLINUX] + ["--platform=any"]
-    target = ["--python-version", args.python_version, "--implementation", "cp",
-              "--only-binary=:all:", *platforms]  # fmt: skip
-    env = {**default_environment(), "python_version": args.python_version,
-           "python_full_version": f"{args.python_version}.0", "sys_platform": "linux",
-           "platform_machine": args.arch, "implementation_name": "cpython"}  # fmt: skip
+    target = [
+        "--python-version",
+        args.python_version,
+        "--implementation",
+        "cp",
+        "--only-binary=:all:",
+        *platforms,
+    ]
+    env = {
+        **default_environment(),
+        "python_version": args.python_version,
+        "python_full_version": f"{args.python_version}.0",
+        "sys_platform": "linux",
+        "platform_machine": args.arch,
+        "implementation_name": "cpython",
+    }
     tested = {normalise(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
     queue = [Requirement(r) for r in project_requirements(args.extra)]
     taken: dict[str, tuple[str, Path]] = {}
@@ -148,8 +159,10 @@ def build(args: argparse.Namespace) -> int:
         sys.exit(f"building the project's wheel failed:\n{r.stderr[-2000:]}")
     wheels = sorted(out.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels)
-    print(f"{len(wheels)} wheels, {size / 2**20:.1f} MiB in {out} "
-          f"({len(have)} packages the target has were left out)")  # fmt: skip
+    print(
+        f"{len(wheels)} wheels, {size / 2**20:.1f} MiB in {out} "
+        f"({len(have)} packages the target has were left out)"
+    )
     return 0
 
 
@@ -158,8 +171,16 @@ def install(args: argparse.Namespace) -> int:
     if not wheels:
         sys.exit(f"no wheels in {args.wheelhouse}")
     where = ["--target", args.target] if args.target else []
-    r = pip("install", "--no-index", "--no-deps", "--no-compile", "--upgrade", *where, *wheels,
-            quiet=False)  # fmt: skip
+    r = pip(
+        "install",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--upgrade",
+        *where,
+        *wheels,
+        quiet=False,
+    )
     sys.stdout.write(r.stdout[-2000:])
     sys.stderr.write(r.stderr[-4000:])
     return r.returncode

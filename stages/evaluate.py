@@ -430,8 +430,10 @@ def figures(metrics: Mapping[str, Any], _path: Path) -> dict[str, Any]:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = [p for p, _ in positions]
     bars = [("served draft", [v for _, v in positions])]
-    bars += [(f"served draft, {name}", [v for _, v in _positions(metrics, f"{name}/")])
-             for name in _other_sets(metrics)]  # fmt: skip
+    bars += [
+        (f"served draft, {name}", [v for _, v in _positions(metrics, f"{name}/")])
+        for name in _other_sets(metrics)
+    ]
     rand = [metrics.get(f"random_acceptance_pos_{p}") for p in xs]
     if all(v is not None for v in rand):
         bars.append(("random draft", rand))
@@ -458,14 +460,20 @@ def plan(p: Plan, view: PlanView) -> None:
         return
     if cfg.eval.draft:
         if _draft_content(cfg.eval.draft) is None:
-            p.error("eval.draft", f"{cfg.eval.draft} holds no draft (config.json and "
-                    "model.safetensors); a packed draft needs `python -m runner.transfer unpack` "
-                    "first")  # fmt: skip
+            p.error(
+                "eval.draft",
+                f"{cfg.eval.draft} holds no draft (config.json and "
+                "model.safetensors); a packed draft needs `python -m runner.transfer unpack` "
+                "first",
+            )
         else:
             p.add("draft", f"{cfg.eval.draft} (trained elsewhere: no teacher-forced estimate)")
         if cfg.eval.random_baseline:
-            p.warn("eval.random_baseline", "not measured for eval.draft: the random draft is "
-                   "built from this config's own training command")  # fmt: skip
+            p.warn(
+                "eval.random_baseline",
+                "not measured for eval.draft: the random draft is "
+                "built from this config's own training command",
+            )
     if cfg.hardware.vllm.endpoint:
         skipped = [k for k in ("compare_target", "random_baseline") if getattr(cfg.eval, k)]
         if skipped:

@@ -76,13 +76,25 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         "chat_template_kwargs": template_kwargs(cfg),
         "min_assistant_tokens": d.min_assistant_tokens,
         # Mixed sources: each one's settings, share and content.
-        **({"sources": [
-            {"name": s.name, "source": s.cfg.source, "split": s.cfg.split, "column": s.cfg.column,
-             "revision": s.cfg.revision, "rows": s.quota,
-             "data_content": data_fingerprint(s.cfg, cache_dir(cfg))}
-            for s in sources(d)
-        ]} if d.sources else {}),
-    }  # fmt: skip
+        **(
+            {
+                "sources": [
+                    {
+                        "name": s.name,
+                        "source": s.cfg.source,
+                        "split": s.cfg.split,
+                        "column": s.cfg.column,
+                        "revision": s.cfg.revision,
+                        "rows": s.quota,
+                        "data_content": data_fingerprint(s.cfg, cache_dir(cfg)),
+                    }
+                    for s in sources(d)
+                ]
+            }
+            if d.sources
+            else {}
+        ),
+    }
 
 
 class TemplateMismatch(ValueError):
@@ -272,8 +284,13 @@ def _take(src: Source, tok: Any, kwargs: dict, bar: Any, pool: Pool | None) -> d
         bar.update(1)
     tokenized.close()  # cancels what is still queued
     if len(rows) < src.quota:
-        log.warning("prepare: only %d usable rows of %d asked from %s (%s)", len(rows),
-                    src.quota, src.name, src.key)  # fmt: skip
+        log.warning(
+            "prepare: only %d usable rows of %d asked from %s (%s)",
+            len(rows),
+            src.quota,
+            src.name,
+            src.key,
+        )
     return {
         "rows": rows,
         "read": read,
@@ -296,11 +313,19 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if regenerated is not None:
         # The same sources and shares, each read from the target's own conversations.
         mix = [
-            dataclasses.replace(src, cfg=dataclasses.replace(
-                src.cfg, source=str(regenerated.path / "regenerated" / f"source_{i}.jsonl"),
-                column="conversations", split="train", revision=None, shuffle=False))
+            dataclasses.replace(
+                src,
+                cfg=dataclasses.replace(
+                    src.cfg,
+                    source=str(regenerated.path / "regenerated" / f"source_{i}.jsonl"),
+                    column="conversations",
+                    split="train",
+                    revision=None,
+                    shuffle=False,
+                ),
+            )
             for i, src in enumerate(mix)
-        ]  # fmt: skip
+        ]
     total = sum(s.quota for s in mix)
     procs = worker_count(cfg.num_proc, total)
     if procs > 1:
@@ -390,8 +415,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 # Every reason a row is not used, in the order a row meets them.
-DROP_REASONS = ("malformed", "unknown_role", "no_assistant_turn", "template_mismatch",
-                "truncated", "few_assistant_tokens")  # fmt: skip
+DROP_REASONS = (
+    "malformed",
+    "unknown_role",
+    "no_assistant_turn",
+    "template_mismatch",
+    "truncated",
+    "few_assistant_tokens",
+)
 
 
 def plan(p: Plan, view: PlanView) -> None:
@@ -401,8 +432,12 @@ def plan(p: Plan, view: PlanView) -> None:
         return
     mix = sources(view.cfg.data)
     if view.cfg.data.sources:
-        p.add("data", "mixed: " + ", ".join(f"{s.name} {s.quota} rows" for s in mix)
-              + f" (shuffled together, seed {view.cfg.data.seed})")  # fmt: skip
+        p.add(
+            "data",
+            "mixed: "
+            + ", ".join(f"{s.name} {s.quota} rows" for s in mix)
+            + f" (shuffled together, seed {view.cfg.data.seed})",
+        )
     for src in mix:
         _plan_source(p, src, cache_dir(view.cfg))
 

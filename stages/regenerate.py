@@ -122,9 +122,14 @@ class Job:
         return None
 
     def record(self) -> dict[str, Any]:
-        return {"index": self.index, "source": self.source, "conversations": self.turns,
-                "token_ids": self.token_ids, "finish_reasons": self.finish,
-                "counts": dict(self.counts)}  # fmt: skip
+        return {
+            "index": self.index,
+            "source": self.source,
+            "conversations": self.turns,
+            "token_ids": self.token_ids,
+            "finish_reasons": self.finish,
+            "counts": dict(self.counts),
+        }
 
 
 class TransformersGenerator:
@@ -170,10 +175,15 @@ class TransformersGenerator:
     def _settings(self, max_new: int) -> dict[str, Any]:
         r = self.cfg
         sampled = r.temperature > 0
-        return dict(max_new_tokens=max_new, do_sample=sampled,
-                    temperature=r.temperature if sampled else None,
-                    top_p=r.top_p if sampled else None, top_k=None,
-                    eos_token_id=sorted(self.eos), pad_token_id=self.pad)  # fmt: skip
+        return dict(
+            max_new_tokens=max_new,
+            do_sample=sampled,
+            temperature=r.temperature if sampled else None,
+            top_p=r.top_p if sampled else None,
+            top_k=None,
+            eos_token_id=sorted(self.eos),
+            pad_token_id=self.pad,
+        )
 
     def _padded(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         torch = self.torch
@@ -184,9 +194,11 @@ class TransformersGenerator:
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
         with torch.inference_mode():
-            gen = self.model.generate(input_ids=ids.to(self.device),
-                                      attention_mask=mask.to(self.device),
-                                      **self._settings(max_new))  # fmt: skip
+            gen = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                **self._settings(max_new),
+            )
         return [gen[row, width:].tolist() for row in range(len(prompts))]
 
     def _continuous(self, prompts: list[list[int]], max_new: int) -> list[Any]:
@@ -223,8 +235,9 @@ class VllmGenerator:
         self.tok = tok
         self.eos = _end_ids(tok, None)
         args = engine_args(cfg, cfg.data.max_seq_len)
-        self.server = VllmServer.from_config(cfg, facts.path, args, logs / "vllm_regenerate.log",
-                                             label="regenerate")  # fmt: skip
+        self.server = VllmServer.from_config(
+            cfg, facts.path, args, logs / "vllm_regenerate.log", label="regenerate"
+        )
         self.server.__enter__()
 
     def generate(self, prompts: list[list[int]], limits: list[int]) -> list[Generated | Exception]:
@@ -239,8 +252,9 @@ class VllmGenerator:
         r = self.cfg.regenerate
         gate = asyncio.Semaphore(r.concurrency)
         server = self.server
-        async with openai.AsyncOpenAI(base_url=server.url, api_key="EMPTY", max_retries=2,
-                                      timeout=r.request_timeout_s) as client:  # fmt: skip
+        async with openai.AsyncOpenAI(
+            base_url=server.url, api_key="EMPTY", max_retries=2, timeout=r.request_timeout_s
+        ) as client:
 
             async def one(prompt: list[int], limit: int) -> Generated | Exception:
                 # The prompt goes as token ids (the chat template already applied, exactly as
@@ -311,8 +325,9 @@ def _select(cfg: RunnerConfig, tok: Any, kwargs: dict[str, Any]) -> tuple[list[J
             jobs.append(job)
             taken += 1
         if taken < src.quota:
-            log.warning("[regenerate] only %d conversations of %d asked from %s", taken,
-                        src.quota, src.name)  # fmt: skip
+            log.warning(
+                "[regenerate] only %d conversations of %d asked from %s", taken, src.quota, src.name
+            )
     return jobs, skipped
 
 
@@ -387,8 +402,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 break  # a line cut by the stop; its conversation is redone
             done[rec["index"]] = rec
             stats.update(rec.get("counts", {}))
-        log.info("[regenerate] resuming: %d of %d conversations already written", len(done),
-                 len(jobs))  # fmt: skip
+        log.info(
+            "[regenerate] resuming: %d of %d conversations already written", len(done), len(jobs)
+        )
     todo = [j for j in jobs if j.index not in done]
     failures: list[str] = []
     t0 = time.time()

@@ -57,8 +57,16 @@ log = logging.getLogger("runner")
 REPO = Path(__file__).resolve().parent.parent
 # Settings that change how fast or how safely training runs, not what it produces (the number
 # of ranks does change it: it enters the key as "ranks").
-_NOT_IN_KEY = ("name", "num_workers", "log_freq", "num_gpus", "cpu_processes", "checkpoint_every",
-               "stop_timeout_s", "echo_steps")  # fmt: skip
+_NOT_IN_KEY = (
+    "name",
+    "num_workers",
+    "log_freq",
+    "num_gpus",
+    "cpu_processes",
+    "checkpoint_every",
+    "stop_timeout_s",
+    "echo_steps",
+)
 # What a resumable checkpoint holds beside the draft; not published.
 _RESUME_ONLY = ("optimizer_state_dict.pt", "scheduler_state_dict.pt")
 
@@ -96,20 +104,32 @@ def extra_flags(extra_args: Mapping[str, Any]) -> list[str]:
 # The runner key each speculators flag comes from, so that speculators' own refusal of a value
 # (checked in the plan) names the key to change; `train.extra_args` flags are added per run.
 FLAG_KEYS = {
-    "--draft-vocab-size": "train.draft_vocab_size", "--target-layer-ids": "model.capture_layers",
-    "--num-layers": "train.num_layers", "--ttt-steps": "train.ttt_steps",
-    "--epochs": "train.epochs", "--lr": "train.lr", "--optimizer": "train.optimizer",
-    "--scheduler-type": "train.scheduler", "--scheduler-warmup-ratio": "train.warmup_ratio",
-    "--total-seq-len": "train.total_seq_len", "--train-data-ratio": "train.val_ratio",
-    "--loss-fn": "train.loss_fn", "--loss-implementation": "train.loss_implementation",
-    "--draft-attn-impl": "train.draft_attn_impl", "--num-workers": "train.num_workers",
-    "--log-freq": "train.log_freq", "--seed": "train.seed",
-    "--hidden-states-dtype": "hardware.dtype", "--checkpoint-freq": "train.checkpoint_every",
-    "--fsdp-shard": "train.fsdp", "--max-steps": "train.max_steps",
+    "--draft-vocab-size": "train.draft_vocab_size",
+    "--target-layer-ids": "model.capture_layers",
+    "--num-layers": "train.num_layers",
+    "--ttt-steps": "train.ttt_steps",
+    "--epochs": "train.epochs",
+    "--lr": "train.lr",
+    "--optimizer": "train.optimizer",
+    "--scheduler-type": "train.scheduler",
+    "--scheduler-warmup-ratio": "train.warmup_ratio",
+    "--total-seq-len": "train.total_seq_len",
+    "--train-data-ratio": "train.val_ratio",
+    "--loss-fn": "train.loss_fn",
+    "--loss-implementation": "train.loss_implementation",
+    "--draft-attn-impl": "train.draft_attn_impl",
+    "--num-workers": "train.num_workers",
+    "--log-freq": "train.log_freq",
+    "--seed": "train.seed",
+    "--hidden-states-dtype": "hardware.dtype",
+    "--checkpoint-freq": "train.checkpoint_every",
+    "--fsdp-shard": "train.fsdp",
+    "--max-steps": "train.max_steps",
     "--trust-remote-code": "model.trust_remote_code",
-    "--vllm-endpoint": "hardware.vllm.endpoint", "--request-timeout": "extract.request_timeout_s",
+    "--vllm-endpoint": "hardware.vllm.endpoint",
+    "--request-timeout": "extract.request_timeout_s",
     "--max-retries": "extract.max_retries",
-}  # fmt: skip
+}
 
 
 def flag_keys(cfg: RunnerConfig) -> dict[str, str]:
@@ -135,38 +155,73 @@ def speculators_argv(
     (extract.mode=online); `hidden_states` is then an empty folder, so nothing is read from disk."""
     t = cfg.train
     argv = [
-        "--speculator-type", "eagle3",
-        "--verifier-name-or-path", facts.path,
-        "--data-path", str(data_path),
-        "--hidden-states-path", str(hidden_states),
-        "--d2t-path", str(vocab / "d2t.npy"),
-        "--t2d-path", str(vocab / "t2d.npy"),
-        "--draft-vocab-size", str(t.draft_vocab_size),
-        "--target-layer-ids", *[str(x) for x in facts.aux_layers],
-        "--num-layers", str(t.num_layers),
-        "--ttt-steps", str(t.ttt_steps),
-        "--epochs", str(t.epochs),
-        "--lr", str(t.lr),
-        "--optimizer", t.optimizer,
-        "--scheduler-type", t.scheduler,
-        "--scheduler-warmup-ratio", str(t.warmup_ratio),
-        "--total-seq-len", str(t.total_seq_len or cfg.data.max_seq_len),
-        "--train-data-ratio", str(1.0 - t.val_ratio),
-        "--loss-fn", t.loss_fn,
-        "--loss-implementation", t.loss_implementation,
-        "--draft-attn-impl", t.draft_attn_impl,
-        "--num-workers", str(t.num_workers),
-        "--log-freq", str(t.log_freq),
-        "--seed", str(t.seed),
-        "--hidden-states-dtype", cfg.hardware.dtype,
-        *(["--on-missing", "raise"] if online is None else [
-            "--on-missing", "generate", "--vllm-endpoint", online,
-            "--request-timeout", str(cfg.extract.request_timeout_s),
-            "--max-retries", str(cfg.extract.max_retries),
-        ]),
-        "--save-path", str(save_path),
-        "--log-dir", str(save_path.parent / "logs"),
-    ]  # fmt: skip
+        "--speculator-type",
+        "eagle3",
+        "--verifier-name-or-path",
+        facts.path,
+        "--data-path",
+        str(data_path),
+        "--hidden-states-path",
+        str(hidden_states),
+        "--d2t-path",
+        str(vocab / "d2t.npy"),
+        "--t2d-path",
+        str(vocab / "t2d.npy"),
+        "--draft-vocab-size",
+        str(t.draft_vocab_size),
+        "--target-layer-ids",
+        *[str(x) for x in facts.aux_layers],
+        "--num-layers",
+        str(t.num_layers),
+        "--ttt-steps",
+        str(t.ttt_steps),
+        "--epochs",
+        str(t.epochs),
+        "--lr",
+        str(t.lr),
+        "--optimizer",
+        t.optimizer,
+        "--scheduler-type",
+        t.scheduler,
+        "--scheduler-warmup-ratio",
+        str(t.warmup_ratio),
+        "--total-seq-len",
+        str(t.total_seq_len or cfg.data.max_seq_len),
+        "--train-data-ratio",
+        str(1.0 - t.val_ratio),
+        "--loss-fn",
+        t.loss_fn,
+        "--loss-implementation",
+        t.loss_implementation,
+        "--draft-attn-impl",
+        t.draft_attn_impl,
+        "--num-workers",
+        str(t.num_workers),
+        "--log-freq",
+        str(t.log_freq),
+        "--seed",
+        str(t.seed),
+        "--hidden-states-dtype",
+        cfg.hardware.dtype,
+        *(
+            ["--on-missing", "raise"]
+            if online is None
+            else [
+                "--on-missing",
+                "generate",
+                "--vllm-endpoint",
+                online,
+                "--request-timeout",
+                str(cfg.extract.request_timeout_s),
+                "--max-retries",
+                str(cfg.extract.max_retries),
+            ]
+        ),
+        "--save-path",
+        str(save_path),
+        "--log-dir",
+        str(save_path.parent / "logs"),
+    ]
     if t.checkpoint_every is not None:
         argv += ["--checkpoint-freq", str(t.checkpoint_every)]
     if t.fsdp:
@@ -258,19 +313,29 @@ def _torchrun(ctx: StageContext, argv: list[str], ranks: int) -> dict[str, Any]:
         )
     )
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={ranks}", "-m", "runner.integrations.speculators_worker", str(request),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "-m",
+        "runner.integrations.speculators_worker",
+        str(request),
+    ]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path}
     if ctx.tracker is not None and ctx.tracker.run_id:
         # Rank 0's speculators logger attaches to the runner's run.
         env.update(MLFLOW_RUN_ID=ctx.tracker.run_id, MLFLOW_TRACKING_URI=ctx.tracker.uri)
     proc = ManagedProcess(
-        command, env, work / "logs" / "train.log", label="train",
-        stop_timeout_s=t.stop_timeout_s, cwd=REPO,
+        command,
+        env,
+        work / "logs" / "train.log",
+        label="train",
+        stop_timeout_s=t.stop_timeout_s,
+        cwd=REPO,
         echo=lambda line: "speculators.metrics" not in line,
-    )  # fmt: skip
+    )
     asked: list[str] = []
 
     def forward(signum: int, _frame: Any) -> None:
@@ -400,8 +465,9 @@ def _online_server(ctx: StageContext) -> Iterator[Any]:
     args = server_args(cfg, facts, staging)
 
     def start() -> Any:
-        return serve(cfg, facts.path, args, home / "logs" / "vllm_online.log",
-                     label="train:online", env=env)  # fmt: skip
+        return serve(
+            cfg, facts.path, args, home / "logs" / "vllm_online.log", label="train:online", env=env
+        )
 
     with contextlib.ExitStack() as stack:
         if shared:
@@ -421,9 +487,13 @@ def _online_server(ctx: StageContext) -> Iterator[Any]:
             "reused": reused,
             **seen,
         }
-        log.info("[train] online: fetching hidden states from %s%s (sample 0: %s in %.1f s)",
-                 server.url, " (the sweep's server, already running)" if reused else "",
-                 seen["probe_shape"], seen["probe_s"])  # fmt: skip
+        log.info(
+            "[train] online: fetching hidden states from %s%s (sample 0: %s in %.1f s)",
+            server.url,
+            " (the sweep's server, already running)" if reused else "",
+            seen["probe_shape"],
+            seen["probe_s"],
+        )
         yield server
         if shared and isinstance(server.log_path, Path):
             # The shared server's log so far, with this job's artifact.
@@ -476,14 +546,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if SLOT_BACKEND in argv:
             ctx.manifest["slots"] = list(ctx.facts.train_slots)
         if resuming:
-            log.info("[train] resuming from %s (an earlier run reached step %d)", save_path,
-                     reached_before)  # fmt: skip
+            log.info(
+                "[train] resuming from %s (an earlier run reached step %d)",
+                save_path,
+                reached_before,
+            )
         t0 = time.time()
         # Online, every fetched sample is an HTTP request that its client logs at INFO.
         with quiet_http_logs() if online else contextlib.nullcontext():
             if ranks == 1:
-                state = run_training(argv, ctx.facts.train_slots, work,
-                                     device=ctx.cfg.hardware.device)  # fmt: skip
+                state = run_training(
+                    argv, ctx.facts.train_slots, work, device=ctx.cfg.hardware.device
+                )
                 outcome = _read_json(work / "outcome.json", {})
                 chain_requeue(state)
             else:
@@ -662,8 +736,15 @@ def _check_with_speculators(p: Plan, view: PlanView) -> None:
     (paths are placeholders: only values are checked), before any stage runs."""
     where = Path("/nonexistent/plan")
     online = "http://127.0.0.1:8000/v1" if view.cfg.extract.mode == "online" else None
-    argv = speculators_argv(view.cfg, view.target.facts, where / "data", where / "hs",
-                            where / "vocab", where / "save", online=online)  # fmt: skip
+    argv = speculators_argv(
+        view.cfg,
+        view.target.facts,
+        where / "data",
+        where / "hs",
+        where / "vocab",
+        where / "save",
+        online=online,
+    )
     refused = check_train_flags(argv, flag_keys(view.cfg), view.output_root / "cache")
     if refused:
         p.error(*refused)

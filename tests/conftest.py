@@ -42,14 +42,16 @@ def runner_env() -> dict[str, str]:
 
 
 def run_runner(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=REPO, env=runner_env(), capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        cmd, cwd=REPO, env=runner_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_until(cmd: list[str], trigger: str, sig: int, timeout: float = 600) -> tuple[int, str]:
     """Start `cmd`, send `sig` to it once a line contains `trigger`, return (exit code, output)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=runner_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=runner_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines, sent = [], False
     deadline = time.time() + timeout
     assert proc.stdout is not None
@@ -76,24 +78,42 @@ def tiny_overrides(
     """A run on a tiny target and a local JSONL file, trained for a few steps, no evaluation
     (`vocab=None` leaves the draft vocab to the caller, e.g. a sweep over it)."""
     return [
-        "model=hf", f"model.source={model_dir}", f"model.name={Path(model_dir).name}",
-        "data=local_file", f"data.source={data}", f"data.num_samples={samples}",
-        "data.max_seq_len=96", "data.min_assistant_tokens=4",
+        "model=hf",
+        f"model.source={model_dir}",
+        f"model.name={Path(model_dir).name}",
+        "data=local_file",
+        f"data.source={data}",
+        f"data.num_samples={samples}",
+        "data.max_seq_len=96",
+        "data.min_assistant_tokens=4",
         *([f"train.draft_vocab_size={vocab}"] if vocab else []),
-        f"train.max_steps={steps}", "train.epochs=1", "train.val_ratio=0.1", "train.log_freq=1",
-        "hardware.extract_batch_size=3", "run.stages=[prepare,extract,vocab,train]",
-        f"run.output_root={root}", *extra,
-    ]  # fmt: skip
+        f"train.max_steps={steps}",
+        "train.epochs=1",
+        "train.val_ratio=0.1",
+        "train.log_freq=1",
+        "hardware.extract_batch_size=3",
+        "run.stages=[prepare,extract,vocab,train]",
+        f"run.output_root={root}",
+        *extra,
+    ]
 
 
 def make_tiny_llama(out: Path, tokenizer, num_layers: int = 4) -> Path:
     """A random 64-wide Llama (seed 0) with SmolLM2's tokenizer (vocab 49,152), saved to `out`."""
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )  # fmt: skip
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -19,8 +19,11 @@ def test_counter_deltas_count_only_these_prompts():
     # A position first seen after the prompts (no count before) starts from zero.
     after = {"drafts": 30, "draft_tokens": 90, "accepted": 27, "accepted_per_pos": [15, 9, 3]}
     assert counters_delta(after, before) == {
-        "drafts": 20, "draft_tokens": 60, "accepted": 20, "accepted_per_pos": [10, 7, 3]
-    }  # fmt: skip
+        "drafts": 20,
+        "draft_tokens": 60,
+        "accepted": 20,
+        "accepted_per_pos": [10, 7, 3],
+    }
 
 
 def test_acceptance_length_is_one_plus_accepted_per_draft():
@@ -40,8 +43,13 @@ def test_no_drafts_gives_no_number_rather_than_a_wrong_one():
 
 
 def test_teacher_forced_estimate_sums_full_accuracies_up_to_k():
-    train = {"val_full_acc_0_epoch": 0.4, "val_full_acc_1_epoch": 0.2, "val_cond_acc_1_epoch": 0.5,
-             "val_full_acc_2_epoch": 0.1, "val_full_acc_3_epoch": 0.05}  # fmt: skip
+    train = {
+        "val_full_acc_0_epoch": 0.4,
+        "val_full_acc_1_epoch": 0.2,
+        "val_cond_acc_1_epoch": 0.5,
+        "val_full_acc_2_epoch": 0.1,
+        "val_full_acc_3_epoch": 0.05,
+    }
     m = teacher_forced(train, k=3)
     assert m["teacher_forced_acceptance_length"] == pytest.approx(1.7)  # position 3 is past k
     assert m["teacher_forced_cond_acc_1"] == 0.5 and "teacher_forced_full_acc_3" not in m
@@ -57,9 +65,13 @@ def test_sweep_table_has_a_column_per_position_for_every_k(tmp_path):
     parent = client.create_run(exp, tags={"sweep.config": "k", "sweep.params": params})
     for job, k in enumerate((3, 5)):
         child = client.create_run(
-            exp, tags={"mlflow.parentRunId": parent.info.run_id, "sweep.job": str(job),
-                       "stage.evaluate": "computed"},
-        )  # fmt: skip
+            exp,
+            tags={
+                "mlflow.parentRunId": parent.info.run_id,
+                "sweep.job": str(job),
+                "stage.evaluate": "computed",
+            },
+        )
         run_id = child.info.run_id
         client.log_param(run_id, "eval.num_speculative_tokens", str(k))
         client.log_metric(run_id, "evaluate/acceptance_length", 1.5 + job)

@@ -158,8 +158,9 @@ def test_mlflow_run_holds_everything(runs):
     # repeated values among the metrics, the summary as the description.
     ev = {a.path for a in client.list_artifacts(run.info.run_id, "evaluate")}
     assert {"evaluate/prompts.json", "evaluate/acceptance_by_position.png"} <= ev
-    assert not any(k.startswith(("dflash", "draft.", "train/final_", "train/val_"))
-                   for k in run.data.metrics)  # fmt: skip
+    assert not any(
+        k.startswith(("dflash", "draft.", "train/final_", "train/val_")) for k in run.data.metrics
+    )
     # The description opens with the acceptance on the first prompt set: the page shows its top.
     note = run.data.tags["mlflow.note.content"].splitlines()
     assert note[1].startswith("==== eagle3 runner: done") and note[2].startswith(

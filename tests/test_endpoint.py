@@ -10,8 +10,9 @@ TOKENS = [504, 2365, 6354, 28]
 
 
 def info(**kw) -> EndpointInfo:
-    base = dict(url="http://box-a:8000", model_root="/models/kimi", max_model_len=4097,
-                tokens=TOKENS)  # fmt: skip
+    base = dict(
+        url="http://box-a:8000", model_root="/models/kimi", max_model_len=4097, tokens=TOKENS
+    )
     return EndpointInfo(**{**base, **kw})
 
 
@@ -29,8 +30,9 @@ def keys(found) -> list[tuple[str, str]]:
 
 
 def check(i: EndpointInfo, need: str, **kw):
-    args = dict(tokens=TOKENS, min_model_len=4097, len_key="data.max_seq_len",
-                dtype="bfloat16", k=None)  # fmt: skip
+    args = dict(
+        tokens=TOKENS, min_model_len=4097, len_key="data.max_seq_len", dtype="bfloat16", k=None
+    )
     return problems(i, need, **{**args, **kw})
 
 

@@ -88,9 +88,15 @@ def test_a_signal_ends_the_run_cleanly_and_the_same_command_continues(
     tiny_model_dir, many_chats, tmp_path, sig, code, stage, trigger
 ):
     # train.echo_steps: speculators' per-step records on the console, where the trigger is.
-    cmd = _cmd(tiny_model_dir, many_chats, tmp_path, "data.num_samples=600",
-               "hardware.extract_batch_size=1", "train.max_steps=30",
-               "train.echo_steps=true")  # fmt: skip
+    cmd = _cmd(
+        tiny_model_dir,
+        many_chats,
+        tmp_path,
+        "data.num_samples=600",
+        "hardware.extract_batch_size=1",
+        "train.max_steps=30",
+        "train.echo_steps=true",
+    )
     got, out = run_until(cmd, trigger, sig)
     assert got == code, out[-3000:]
     name = signal.Signals(sig).name
@@ -130,8 +136,9 @@ def test_a_truncated_hidden_state_file_is_named_set_aside_and_recomputed(
     (extract,) = (p for p in (trained / "store" / "extract").iterdir() if p.is_dir())
     victim = sorted((extract / "hidden_states").glob("hs_*.safetensors"))[-1]
     victim.write_bytes(victim.read_bytes()[:1000])
-    stop = run_runner(_cmd(tiny_model_dir, chats_jsonl, trained, "train.lr=7e-4",
-                     "run.on_damaged=stop"))  # fmt: skip
+    stop = run_runner(
+        _cmd(tiny_model_dir, chats_jsonl, trained, "train.lr=7e-4", "run.on_damaged=stop")
+    )
     assert stop.returncode == 1
     assert f"hidden_states/{victim.name} is 1000 bytes" in stop.stderr, stop.stderr[-2000:]
     proc = run_runner(_cmd(tiny_model_dir, chats_jsonl, trained, "train.lr=7e-4"))
@@ -143,9 +150,11 @@ def test_a_truncated_hidden_state_file_is_named_set_aside_and_recomputed(
 
 
 def test_a_corrupted_draft_is_never_served(trained, tiny_model_dir, chats_jsonl, tmp_path):
-    (train,) = (p for p in (trained / "store" / "train").iterdir()  # the default lr's draft
-                if p.is_dir() and json.loads((p / "manifest.json").read_text())["config"]["lr"]
-                != 7e-4)  # fmt: skip
+    (train,) = (
+        p
+        for p in (trained / "store" / "train").iterdir()  # the default lr's draft
+        if p.is_dir() and json.loads((p / "manifest.json").read_text())["config"]["lr"] != 7e-4
+    )
     _flip(train / "draft" / "model.safetensors", keep_mtime=True)
     base = tiny_overrides(tiny_model_dir, chats_jsonl, trained, CAPTURE)
     # The cheap check passes (same size and time); serving checks every byte of the draft.
@@ -160,8 +169,17 @@ def test_a_corrupted_draft_is_never_served(trained, tiny_model_dir, chats_jsonl,
 
 def test_two_first_runs_on_a_fresh_root_both_succeed(tiny_model_dir, chats_jsonl, tmp_path):
     cmd = _cmd(tiny_model_dir, chats_jsonl, tmp_path, "run.stages=[prepare]")
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=runner_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=runner_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert sorted(_statuses(tmp_path)) == ["FINISHED", "FINISHED"]  # the store is healthy
@@ -172,8 +190,12 @@ def test_two_first_runs_on_a_fresh_root_both_succeed(tiny_model_dir, chats_jsonl
 
 def _mount_tmpfs(where: Path, size: str) -> bool:
     where.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True).returncode == 0  # fmt: skip
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_a_full_disk_is_one_clear_line_and_the_rerun_continues(
@@ -203,8 +225,10 @@ def test_a_full_disk_is_one_clear_line_and_the_rerun_continues(
 def test_a_store_that_fails_at_the_end_keeps_the_stage_error_and_is_reconciled(
     tiny_model_dir, chats_jsonl, tmp_path
 ):
-    args = [*tiny_overrides(tiny_model_dir, chats_jsonl, tmp_path, CAPTURE),
-            "+train.extra_args.data_path=/nonexistent/dataset"]  # fmt: skip
+    args = [
+        *tiny_overrides(tiny_model_dir, chats_jsonl, tmp_path, CAPTURE),
+        "+train.extra_args.data_path=/nonexistent/dataset",
+    ]
     script = runner_with_failing_end(args)  # as a locked SQLite store makes it fail
     proc = run_runner([sys.executable, "-c", script])
     assert proc.returncode == 1, proc.stderr[-3000:]  # the stage's own error and exit code

@@ -48,8 +48,10 @@ def test_the_miniature_is_kimi_k25_at_toy_size(mini):
     assert config["model_type"] == "kimi_k25" and "vision_config" in config
     assert text["num_hidden_layers"] == 4 and text["first_k_dense_replace"] == 1
     assert (text["n_routed_experts"], text["num_experts_per_tok"], text["n_shared_experts"]) == (
-        4, 2, 1,
-    )  # fmt: skip
+        4,
+        2,
+        1,
+    )
     assert (text["kv_lora_rank"], text["qk_rope_head_dim"], text["q_lora_rank"]) == (512, 64, 32)
     with safe_open(str(mini / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -68,11 +70,15 @@ def test_the_miniature_is_kimi_k25_at_toy_size(mini):
     tok = AutoTokenizer.from_pretrained(mini, trust_remote_code=True)
     assert all(len(tok.encode(t, add_special_tokens=False)) == 1 for t in KIMI_SPECIAL)
     text_out = tok.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True,
+        [{"role": "user", "content": "Hi"}],
+        tokenize=False,
+        add_generation_prompt=True,
         thinking=False,
-    )  # fmt: skip
-    assert text_out == "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant" \
-        "<|im_middle|><think></think>"  # fmt: skip
+    )
+    assert (
+        text_out == "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant"
+        "<|im_middle|><think></think>"
+    )
 
 
 def test_the_plan_refuses_what_vllm_cannot_do_with_this_architecture(root, mini):
@@ -106,17 +112,29 @@ def test_the_miniature_trains_through_the_transformers_backend(transformers_run)
 
 @pytest.mark.vllm
 def test_vllm_captures_every_slot_as_transformers_does(root, transformers_run):
-    run = run_job(compose([*MINI, f"run.output_root={root}", "extract=vllm",
-                           "run.stages=[prepare,extract]", "run.name=mini-vllm"]))  # fmt: skip
+    run = run_job(
+        compose(
+            [
+                *MINI,
+                f"run.output_root={root}",
+                "extract=vllm",
+                "run.stages=[prepare,extract]",
+                "run.name=mini-vllm",
+            ]
+        )
+    )
     m = run.results["extract"].metrics
     # The self-test read the final norm and LM head alone: 64 + 64 x vocab bf16 values.
     vocab = json.loads((Path(transformers_run.target.facts.path) / "config.json").read_text())[
-        "text_config"]["vocab_size"]  # fmt: skip
+        "text_config"
+    ]["vocab_size"]
     assert m["selftest_bytes_read"] == 2 * (64 + 64 * vocab)
     assert m["selftest_next_token_agreement"] >= 0.95
-    print(f"vLLM self-test: {m['selftest_next_token_agreement']:.3f} of "
-          f"{m['selftest_positions']:.0f} decisive positions, read "
-          f"{m['selftest_bytes_read']:.0f} bytes in {m['selftest_s']:.2f} s")  # fmt: skip
+    print(
+        f"vLLM self-test: {m['selftest_next_token_agreement']:.3f} of "
+        f"{m['selftest_positions']:.0f} decisive positions, read "
+        f"{m['selftest_bytes_read']:.0f} bytes in {m['selftest_s']:.2f} s"
+    )
     tf_dir = transformers_run.results["extract"].path / "hidden_states"
     vl_dir = run.results["extract"].path / "hidden_states"
     with safe_open(str(Path(transformers_run.target.facts.path) / "model.safetensors"), "pt") as f:
@@ -145,8 +163,10 @@ def test_the_vllm_self_test_catches_a_slot_one_layer_off(root, mini):
     # The server captures ids 1, 2, 3 while the runner expects 1, 2 and the final 4: the last
     # slot is one layer early, and the slot count still matches.
     ids = '{"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}'
-    wrong = ('{"method": "extract_hidden_states", "num_speculative_tokens": 1, '
-             f'"draft_model_config": {{"hf_config": {ids}}}}}')  # fmt: skip
+    wrong = (
+        '{"method": "extract_hidden_states", "num_speculative_tokens": 1, '
+        f'"draft_model_config": {{"hf_config": {ids}}}}}'
+    )
     with pytest.raises(StageError) as info:
         flags = f"hardware.vllm.extra_args=[--speculative-config,'{wrong}']"
         over = ["extract=vllm", "model.capture_layers=[1,2]", "run.stages=[prepare,extract]"]
@@ -157,9 +177,21 @@ def test_the_vllm_self_test_catches_a_slot_one_layer_off(root, mini):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_whole_pipeline_with_evaluation_on_a_gpu(root, mini):
-    run = run_job(compose([*MINI, f"run.output_root={root}", "hardware=gpu1", "extract=vllm",
-                           "eval.num_prompts=8", "eval.max_new_tokens=32"]))  # fmt: skip
+    run = run_job(
+        compose(
+            [
+                *MINI,
+                f"run.output_root={root}",
+                "hardware=gpu1",
+                "extract=vllm",
+                "eval.num_prompts=8",
+                "eval.max_new_tokens=32",
+            ]
+        )
+    )
     ev = run.results["evaluate"].metrics
-    print(f"served acceptance {ev['acceptance_length']:.3f}, random draft "
-          f"{ev['random_acceptance_length']:.3f}")  # fmt: skip
+    print(
+        f"served acceptance {ev['acceptance_length']:.3f}, random draft "
+        f"{ev['random_acceptance_length']:.3f}"
+    )
     assert ev["acceptance_length"] >= 1.0

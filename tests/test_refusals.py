@@ -73,26 +73,50 @@ GOOD = json.dumps({"messages": CONVERSATIONS[0]}).encode() + b"\n"
     [
         ("empty.jsonl", b"", "data.source", "is empty"),
         ("blank.jsonl", b"\n\n  \n", "data.source", "holds no row"),
-        ("bad_json.jsonl", GOOD + GOOD + b'{"messages": [\n' + GOOD, "data.source",
-         "bad_json.jsonl:3"),
-        ("latin1.jsonl", GOOD + '{"messages": "caf\xe9"}\n'.encode("latin-1"), "data.source",
-         "latin1.jsonl:2: invalid UTF-8"),
-        ("not_a_list.jsonl", GOOD + b'{"messages": "hello"}\n', "data.source",
-         "not_a_list.jsonl:2"),
+        (
+            "bad_json.jsonl",
+            GOOD + GOOD + b'{"messages": [\n' + GOOD,
+            "data.source",
+            "bad_json.jsonl:3",
+        ),
+        (
+            "latin1.jsonl",
+            GOOD + '{"messages": "caf\xe9"}\n'.encode("latin-1"),
+            "data.source",
+            "latin1.jsonl:2: invalid UTF-8",
+        ),
+        (
+            "not_a_list.jsonl",
+            GOOD + b'{"messages": "hello"}\n',
+            "data.source",
+            "not_a_list.jsonl:2",
+        ),
         ("array_row.jsonl", GOOD + b"[1, 2]\n", "data.source", "array_row.jsonl:2"),
-        ("turn_no_role.jsonl", GOOD + b'{"messages": [{"content": "hi"}]}\n', "data.source",
-         "turn_no_role.jsonl:2"),
+        (
+            "turn_no_role.jsonl",
+            GOOD + b'{"messages": [{"content": "hi"}]}\n',
+            "data.source",
+            "turn_no_role.jsonl:2",
+        ),
         ("cut.json", b'[{"messages": []}, {"messa', "data.source", "cut.json:1: not valid JSON"),
         ("object.json", b'{"a": 1, "b": 2}', "data.source", "expected a JSON array"),
         ("chats.csv", b"a,b\n1,2\n", "data.source", "expected a .jsonl, .json or .parquet"),
-        ("no_assistant.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n' * 3,
-         "data.source", "no_assistant_turn"),
-        ("odd_roles.jsonl", b'{"messages": [{"role": "narrator", "content": "x"}]}\n',
-         "data.source", "unknown_role"),
+        (
+            "no_assistant.jsonl",
+            b'{"messages": [{"role": "user", "content": "hi"}]}\n' * 3,
+            "data.source",
+            "no_assistant_turn",
+        ),
+        (
+            "odd_roles.jsonl",
+            b'{"messages": [{"role": "narrator", "content": "x"}]}\n',
+            "data.source",
+            "unknown_role",
+        ),
         ("other_column.jsonl", b'{"dialog": []}\n', "data.column", "data.column"),
         ("binary.jsonl", bytes(range(256)) * 4, "data.source", "no row of"),
     ],
-)  # fmt: skip
+)
 def test_damaged_data_files_are_refused_in_the_plan_naming_file_and_line(
     tmp_path, tiny_model_dir, name, content, key, says
 ):
@@ -160,17 +184,24 @@ def test_rows_the_cut_leaves_without_an_answer_are_counted_as_truncated(tmp_path
     [
         (["train.loss_fn=bogus"], "train.loss_fn", "Unknown loss function"),
         (["+train.extra_args.foo_bar=1"], "train.extra_args.foo_bar", "unrecognized arguments"),
-        (["+train.extra_args.weight_decay=abc"], "train.extra_args.weight_decay",
-         "invalid float value"),
+        (
+            ["+train.extra_args.weight_decay=abc"],
+            "train.extra_args.weight_decay",
+            "invalid float value",
+        ),
         (["+train.extra_args.checkpoint_freq=-1"], "train.extra_args.checkpoint_freq", "> 0"),
         (["data.max_seq_len=8192"], "data.max_seq_len", "context of 4096"),
         (["run.stages=[all]", "eval.max_model_len=8192"], "eval.max_model_len", "context of 4096"),
-        (["tracking.uri=http://127.0.0.1:9", "tracking.connect_timeout_s=2"], "tracking.uri",
-         "unreachable within 2 s"),
+        (
+            ["tracking.uri=http://127.0.0.1:9", "tracking.connect_timeout_s=2"],
+            "tracking.uri",
+            "unreachable within 2 s",
+        ),
     ],
-)  # fmt: skip
-def test_values_refused_in_the_plan_name_the_runners_key(tmp_path, tiny_model_dir, chats_jsonl,
-                                                         extra, key, says):  # fmt: skip
+)
+def test_values_refused_in_the_plan_name_the_runners_key(
+    tmp_path, tiny_model_dir, chats_jsonl, extra, key, says
+):
     err = _refusal(tiny_model_dir, chats_jsonl, tmp_path, *extra)
     assert err.key == key and says in err.message, err.message
 
@@ -207,8 +238,14 @@ def test_an_unsizable_quantization_is_stated_not_refused(tmp_path):
     text["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
     cfg.pop("quantization_config", None)
     (model / "config.json").write_text(json.dumps(cfg))
-    base = ["model=kimi_k25", f"model.source={model}", "hardware=blackwell8", "run.plan_only=true",
-            "data.num_samples=100", f"run.output_root={tmp_path / 'out'}"]  # fmt: skip
+    base = [
+        "model=kimi_k25",
+        f"model.source={model}",
+        "hardware=blackwell8",
+        "run.plan_only=true",
+        "data.num_samples=100",
+        f"run.output_root={tmp_path / 'out'}",
+    ]
     p = run_job(compose(base)).plan
     assert not p.errors  # bf16 would not fit TP 8, but it is a guess: stated, not refused
     assert any(w.key == "model.weights_gib" for w in p.problems)
@@ -235,9 +272,12 @@ def test_a_failed_stage_leaves_no_locks_or_empty_folders(tmp_path, tiny_model_di
 def _cli(*args: str, root: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "runner", f"run.output_root={root}", *args],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
 
 
 def test_the_command_line_exits_with_the_config_error_code(tmp_path):
@@ -255,19 +295,40 @@ def test_the_command_line_exits_with_the_config_error_code(tmp_path):
 def test_conversations_with_images_are_refused_by_default_or_kept_as_text(tmp_path, tiny_model_dir):
     """Multimodal rows (OpenAI content parts with images), common for Kimi-K2.5: drafts train on
     text, so the default names the row; data.multimodal=drop_media keeps the text parts."""
-    image_row = json.dumps({"messages": [
-        {"role": "user", "content": [
-            {"type": "text", "text": "What is in this picture?"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
-        ]},
-        {"role": "assistant", "content": [{"type": "text", "text": "A cat on a mat, asleep."}]},
-    ]}).encode() + b"\n"  # fmt: skip
+    image_row = (
+        json.dumps(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "What is in this picture?"},
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="},
+                            },
+                        ],
+                    },
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "text", "text": "A cat on a mat, asleep."}],
+                    },
+                ]
+            }
+        ).encode()
+        + b"\n"
+    )
     data = _write(tmp_path / "mm.jsonl", GOOD * 5 + image_row * 2)
     refused = _refusal(tiny_model_dir, data, tmp_path)
     assert refused.key == "data.multimodal"
     assert "2 row(s)" in refused.message and "mm.jsonl:6" in refused.message
     assert "turn 0 has 1 image/media part(s)" in refused.message
-    run = run_job(compose(tiny(tiny_model_dir, data, tmp_path, "run.stages=[prepare]",
-                               "data.multimodal=drop_media")))  # fmt: skip
+    run = run_job(
+        compose(
+            tiny(
+                tiny_model_dir, data, tmp_path, "run.stages=[prepare]", "data.multimodal=drop_media"
+            )
+        )
+    )
     m = run.results["prepare"].metrics
     assert m["rows"] == 7 and (m["media_parts_dropped"], m["rows_with_media"]) == (2, 2)

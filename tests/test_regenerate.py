@@ -16,13 +16,18 @@ from tests.conftest import compose, tiny_overrides
 
 # Sampled: the random tiny target's greedy answer is one whitespace token repeated, which the
 # stage counts as failed (an empty answer).
-REGEN = ["regenerate=transformers", "regenerate.batch_size=4", "regenerate.temperature=1.0",
-         "model.capture_layers=[1,2,3]"]  # fmt: skip
+REGEN = [
+    "regenerate=transformers",
+    "regenerate.batch_size=4",
+    "regenerate.temperature=1.0",
+    "model.capture_layers=[1,2,3]",
+]
 
 
 def _over(model_dir, chats, root, *extra, samples=6):
-    return tiny_overrides(model_dir, chats, root, *REGEN, "run.stages=[regenerate,prepare]", *extra,
-                          samples=samples)  # fmt: skip
+    return tiny_overrides(
+        model_dir, chats, root, *REGEN, "run.stages=[regenerate,prepare]", *extra, samples=samples
+    )
 
 
 def test_the_targets_own_answers_replace_the_datas(tiny_model_dir, chats_jsonl, tmp_path):
@@ -46,8 +51,10 @@ def test_the_targets_own_answers_replace_the_datas(tiny_model_dir, chats_jsonl, 
         # data's own, in their order.
         assert answers == [tok.decode(ids, skip_special_tokens=True) for ids in rec["token_ids"]]
         users = [t["content"] for t in turns if t["role"] == "user"]
-        assert any(users == [t["content"] for t in o if t["role"] == "user"][: len(users)]
-                   for o in original)  # fmt: skip
+        assert any(
+            users == [t["content"] for t in o if t["role"] == "user"][: len(users)]
+            for o in original
+        )
         assert not any(a in {t["content"] for o in original for t in o} for a in answers)
     # prepare trains on them: its rows are the regenerated conversations rendered.
     rows = datasets.load_from_disk(str(result.results["prepare"].path / "dataset"))
@@ -114,23 +121,40 @@ def test_continuous_batching_gives_the_padded_calls_greedy_answers(
     # Wide random weights: greedy answers that vary from token to token and prompt to prompt
     # (the default tiny target repeats one whitespace token).
     torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      initializer_range=0.4, tie_word_embeddings=True, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=2)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.4,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     model_dir = tmp_path / "wide"
     LlamaForCausalLM(cfg).save_pretrained(model_dir)
     smollm2_tokenizer.save_pretrained(model_dir)
     answers = {}
     for cb in ("false", "true"):
-        over = _over(model_dir, chats_jsonl, tmp_path, "regenerate.temperature=0",
-                     "run.stages=[regenerate]", "regenerate.max_tokens=24",
-                     "regenerate.max_bad_fraction=1", f"regenerate.continuous_batching={cb}",
-                     "hardware.dtype=float32")  # fmt: skip
+        over = _over(
+            model_dir,
+            chats_jsonl,
+            tmp_path,
+            "regenerate.temperature=0",
+            "run.stages=[regenerate]",
+            "regenerate.max_tokens=24",
+            "regenerate.max_bad_fraction=1",
+            f"regenerate.continuous_batching={cb}",
+            "hardware.dtype=float32",
+        )
         regen = run_job(compose(over)).results["regenerate"]
         lines = (regen.path / "regenerated" / "source_0.jsonl").read_text().splitlines()
-        answers[cb] = [(r["index"], r["token_ids"], r["finish_reasons"])
-                       for r in map(json.loads, lines)]  # fmt: skip
+        answers[cb] = [
+            (r["index"], r["token_ids"], r["finish_reasons"]) for r in map(json.loads, lines)
+        ]
     assert answers["true"] == answers["false"]
     tokens = [t for _, ids, _ in answers["true"] for turn in ids for t in turn]
     assert len(tokens) > 24 and len(set(tokens)) > 5  # real answers, not one token repeated

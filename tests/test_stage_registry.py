@@ -45,9 +45,10 @@ def _string_literals(path: Path) -> list[tuple[int, str]]:
     return [
         (node.lineno, node.value)
         for node in ast.walk(tree)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
         and id(node) not in docstrings
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize("module", ENGINE)

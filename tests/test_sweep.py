@@ -77,8 +77,9 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     children = client.search_runs([exp.experiment_id], filter_string=mine)
     names = {c.info.run_name for c in children}
     assert len(names) == 9
-    assert any("model.capture_preset=late" in n and "train.draft_vocab_size=4096" in n
-               for n in names)  # fmt: skip
+    assert any(
+        "model.capture_preset=late" in n and "train.draft_vocab_size=4096" in n for n in names
+    )
     assert f"sweep parent run {parent}" in stdout and "mlflow ui --backend-store-uri" in stdout
 
 
@@ -148,8 +149,13 @@ def test_a_sweep_through_submitit_runs_each_job_as_its_own_process(
 
     from runner.sweep import comparison_rows
 
-    proc = run_sweep(tiny12_model_dir, chats_jsonl, tmp_path, "train.lr=1e-3,3e-3",
-                     "hydra/launcher=submitit_local")  # fmt: skip
+    proc = run_sweep(
+        tiny12_model_dir,
+        chats_jsonl,
+        tmp_path,
+        "train.lr=1e-3,3e-3",
+        "hydra/launcher=submitit_local",
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Submitit 'local' sweep output dir" in proc.stdout + proc.stderr
     assert list((tmp_path / "hydra" / "multirun").glob("*/.submitit/*"))  # submitit's job folders

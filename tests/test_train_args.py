@@ -14,9 +14,16 @@ from runner.target_facts import ModelFacts
 from stages.train import extra_flags, speculators_argv
 from tests.conftest import compose
 
-FACTS = ModelFacts(path="/models/target", num_layers=30, hidden_size=576, vocab_size=49152,
-                   aux_layers=(2, 15, 27), extract_aux=(2, 15, 27), tokenizer_id="t",
-                   weights_id="w")  # fmt: skip
+FACTS = ModelFacts(
+    path="/models/target",
+    num_layers=30,
+    hidden_size=576,
+    vocab_size=49152,
+    aux_layers=(2, 15, 27),
+    extract_aux=(2, 15, 27),
+    tokenizer_id="t",
+    weights_id="w",
+)
 
 
 def argv_for(*overrides: str, facts: ModelFacts = FACTS) -> list[str]:
@@ -26,8 +33,15 @@ def argv_for(*overrides: str, facts: ModelFacts = FACTS) -> list[str]:
 
 
 def test_extra_args_map_to_flags():
-    flags = extra_flags({"norm_before_fc": True, "norm_output": False, "dry_run": False,
-                         "target_layer_ids": [1, 2], "checkpoint_freq": 0.5})  # fmt: skip
+    flags = extra_flags(
+        {
+            "norm_before_fc": True,
+            "norm_output": False,
+            "dry_run": False,
+            "target_layer_ids": [1, 2],
+            "checkpoint_freq": 0.5,
+        }
+    )
     assert flags == [
         "--norm-before-fc",
         "--no-norm-output",
@@ -36,7 +50,7 @@ def test_extra_args_map_to_flags():
         "2",
         "--checkpoint-freq",
         "0.5",
-    ]  # fmt: skip  (--dry-run has no --no- form)
+    ]  # (--dry-run has no --no- form)
 
 
 def test_speculators_reads_the_runners_settings():
@@ -73,8 +87,15 @@ def test_a_flag_speculators_does_not_know_names_extra_args():
 def test_online_training_fetches_from_the_server_and_reads_no_files():
     cfg = typed(compose(["extract=online", "extract.max_retries=5", "extract.storage=fp8"]))
     p = Path("/runs")
-    argv = speculators_argv(cfg, FACTS, p / "data", p / "empty", p / "vocab", p / "save",
-                            online="http://127.0.0.1:8123/v1")  # fmt: skip
+    argv = speculators_argv(
+        cfg,
+        FACTS,
+        p / "data",
+        p / "empty",
+        p / "vocab",
+        p / "save",
+        online="http://127.0.0.1:8123/v1",
+    )
     resolved = resolve_argv(argv, slots=(0, 1, 2, 3))
     flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
     assert flags["--on-missing"] == "generate"

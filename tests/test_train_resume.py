@@ -32,9 +32,17 @@ LOSS_RTOL = 0.01
 
 
 def _command(model_dir, chats, root, *extra):
-    base = tiny_overrides(model_dir, chats, root, "model.capture_layers=[0,2,3]",
-                          "train.max_steps=null", "train.epochs=3", "train.checkpoint_every=0.25",
-                          "train.echo_steps=true", *extra)  # fmt: skip
+    base = tiny_overrides(
+        model_dir,
+        chats,
+        root,
+        "model.capture_layers=[0,2,3]",
+        "train.max_steps=null",
+        "train.epochs=3",
+        "train.checkpoint_every=0.25",
+        "train.echo_steps=true",
+        *extra,
+    )
     return [sys.executable, "-m", "runner", *base]
 
 
@@ -84,9 +92,15 @@ def test_sigterm_checkpoints_stops_and_the_printed_command_resumes(
     train_store = tmp_path / "store" / "train"  # nothing published, no empty folder either
     assert not train_store.exists() or not list(train_store.iterdir())
     # The printed command, as printed (it is a shell command line).
-    proc = subprocess.run(resume.replace("python", sys.executable, 1), shell=True, cwd=REPO,
-                          env=runner_env(), capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        resume.replace("python", sys.executable, 1),
+        shell=True,
+        cwd=REPO,
+        env=runner_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Resuming mid-epoch" in proc.stdout + proc.stderr
     metrics, weights = train_result(tmp_path)
@@ -116,8 +130,9 @@ def test_two_cpu_ranks_through_torchrun_stop_together_and_resume(
     assert code == 143, out[-3000:]
     assert "asking the ranks to checkpoint and stop" in out and "stopped by SIGTERM" in out
     assert "torch.distributed.run" in out and "--nproc_per_node=2" in out
-    leftover = subprocess.run(["pgrep", "-f", f"speculators_worker {tmp_path}"],
-                              capture_output=True, text=True)  # fmt: skip
+    leftover = subprocess.run(
+        ["pgrep", "-f", f"speculators_worker {tmp_path}"], capture_output=True, text=True
+    )
     assert leftover.stdout.strip() == "", "a rank outlived the runner"
     proc = run_runner(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -125,8 +140,10 @@ def test_two_cpu_ranks_through_torchrun_stop_together_and_resume(
     assert metrics["ranks"] == 2 and metrics["resumes"] == 1 and metrics["steps_redone"] == 0
     # Rank 0's speculators logger wrote into the runner's MLflow run, every step once.
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (last,) = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id],
-                                 filter_string="attributes.status = 'FINISHED'")  # fmt: skip
+    (last,) = client.search_runs(
+        [client.get_experiment_by_name("eagle3").experiment_id],
+        filter_string="attributes.status = 'FINISHED'",
+    )
     history = client.get_metric_history(last.info.run_id, "train/loss")
     assert len({m.step for m in history}) == len(history) > 0
     arts = {a.path for a in client.list_artifacts(last.info.run_id, "train/logs")}

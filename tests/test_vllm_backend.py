@@ -173,10 +173,17 @@ def test_a_published_draft_serves_with_the_command_in_its_card(runs, root, tmp_p
     command = words[len(prefix) :]
     command[command.index("--port") + 1] = str(free_port())
     with VllmServer(command, {**os.environ, **env}, tmp_path / "card.log", "card", 600) as server:
-        body = json.dumps({"model": server.served_model(), "prompt": "Write a haiku about rain.",
-                           "max_tokens": 32, "temperature": 0}).encode()  # fmt: skip
-        request = urllib.request.Request(f"{server.base}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        body = json.dumps(
+            {
+                "model": server.served_model(),
+                "prompt": "Write a haiku about rain.",
+                "max_tokens": 32,
+                "temperature": 0,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"{server.base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=120) as r:
             assert json.loads(r.read())["choices"][0]["text"]
         assert server.spec_decode_counters()["drafts"] > 0, "served without its draft"
@@ -194,8 +201,17 @@ def test_a_draft_packed_here_and_unpacked_elsewhere_evaluates_alike(runs, root, 
     packed, back = tmp_path / "packed", tmp_path / "unpacked"
     assert transfer(["pack", str(draft), str(packed), "--target", target]) == 0
     assert transfer(["unpack", str(packed), str(back), "--target", target]) == 0
-    alone = run_job(compose([*REDUCED, f"run.output_root={root}", f"eval.draft={back}",
-                             "run.stages=[evaluate]", "run.name=elsewhere"]))  # fmt: skip
+    alone = run_job(
+        compose(
+            [
+                *REDUCED,
+                f"run.output_root={root}",
+                f"eval.draft={back}",
+                "run.stages=[evaluate]",
+                "run.name=elsewhere",
+            ]
+        )
+    )
     assert alone.stages == {"evaluate": "computed"}
     print(
         f"acceptance length: trained here {trained.objective:.3f}, packed and unpacked "
@@ -208,8 +224,13 @@ def test_regeneration_backends_give_the_same_greedy_answers(root):
     """The default target regenerates the same conversations greedily with vLLM and with
     transformers (first turns, 48 tokens each): the same ids, or the difference reported and
     shown to be a bf16 near-tie."""
-    base = ["data.num_samples=12", "regenerate.max_tokens=48", "regenerate.max_bad_fraction=1",
-            "run.stages=[regenerate]", f"run.output_root={root}"]  # fmt: skip
+    base = [
+        "data.num_samples=12",
+        "regenerate.max_tokens=48",
+        "regenerate.max_bad_fraction=1",
+        "run.stages=[regenerate]",
+        f"run.output_root={root}",
+    ]
     recs = {}
     for backend in ("vllm", "transformers"):
         art = run_job(compose([*base, f"regenerate={backend}"])).results["regenerate"]
@@ -234,8 +255,9 @@ def test_regeneration_backends_give_the_same_greedy_answers(root):
         prefixes.append(i)
         # Where they part, the two engines' tokens are the fp32 forward's two best, nearly tied:
         # bf16 rounding picked differently, not a wrong prompt, cache or mask.
-        prompt = tok.apply_chat_template(a["conversations"][:-1], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)  # fmt: skip
+        prompt = tok.apply_chat_template(
+            a["conversations"][:-1], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         with torch.inference_mode():
             logits = fp32(torch.tensor([[*prompt, *x[:i]]])).logits[0, -1]
         assert set(torch.topk(logits, 2).indices.tolist()) == {x[i], y[i]}, (i, x[i], y[i])
@@ -279,9 +301,18 @@ def test_vllm_extraction_can_store_fp8_from_full_precision_values(runs, root):
     from hs_connectors.fp8_utils import SCALES_KEY, dequantize_fp8_tensor
 
     result = run_job(
-        compose([*REDUCED, "data.num_samples=16", "extract=vllm", "extract.storage=fp8",
-                 f"run.output_root={root}", "run.stages=[prepare,extract]", "run.name=fp8"])
-    )  # fmt: skip
+        compose(
+            [
+                *REDUCED,
+                "data.num_samples=16",
+                "extract=vllm",
+                "extract.storage=fp8",
+                f"run.output_root={root}",
+                "run.stages=[prepare,extract]",
+                "run.name=fp8",
+            ]
+        )
+    )
     got = load_file(str(result.results["extract"].path / "hidden_states" / "hs_0.safetensors"))
     ref = load_file(
         str(runs["vllm"].results["extract"].path / "hidden_states" / "hs_0.safetensors")
@@ -422,11 +453,17 @@ def existing_server(online_run, root):
 
     served = json.loads((online_run.results["extract"].path / "served.json").read_text())
     staging = root / "endpoint_states"
-    args = [a.replace("<train work folder>/online_states", str(staging)) for a in
-            served["server_args"]]  # fmt: skip
-    server = VllmServer.from_config(compose(REDUCED), served["model"], args,
-                                    root / "endpoint.log", label="test-endpoint",
-                                    env={"VLLM_SERVER_DEV_MODE": "1"})  # fmt: skip
+    args = [
+        a.replace("<train work folder>/online_states", str(staging)) for a in served["server_args"]
+    ]
+    server = VllmServer.from_config(
+        compose(REDUCED),
+        served["model"],
+        args,
+        root / "endpoint.log",
+        label="test-endpoint",
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
     with server:
         yield server.base
 
@@ -468,12 +505,22 @@ def test_an_online_capture_layer_sweep_shares_one_server(root):
 
     sweep = root / "online_sweep"
     proc = run_runner(
-        [sys.executable, "-m", "runner", "-m", "extract=online",
-         "model.capture_preset=default,late", "extract.superset_presets=[default,late]",
-         "data.num_samples=40", "train.epochs=1", "run.stages=[prepare,extract,vocab,train]",
-         f"run.output_root={sweep}", f"hydra.sweep.dir={sweep}/multirun"],
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "-m",
+            "extract=online",
+            "model.capture_preset=default,late",
+            "extract.superset_presets=[default,late]",
+            "data.num_samples=40",
+            "train.epochs=1",
+            "run.stages=[prepare,extract,vocab,train]",
+            f"run.output_root={sweep}",
+            f"hydra.sweep.dir={sweep}/multirun",
+        ],
         timeout=1200,
-    )  # fmt: skip
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert out.count("[train:online] vLLM ready") == 1, "one server for the whole sweep"

@@ -110,9 +110,16 @@ class _Progress:
         self.last = now
         rate = (at - self.first) / (now - self.t0)
         left = (self.steps - at) / rate if rate > 0 else float("nan")
-        log.info("[train] epoch %d/%d, step %d/%d (%.0f%%), %.2f steps/s, epoch ends in %s",
-                 self.epoch + 1, self.epochs, at, self.steps, 100 * at / self.steps, rate,
-                 _clock(left) if left == left else "?")  # fmt: skip
+        log.info(
+            "[train] epoch %d/%d, step %d/%d (%.0f%%), %.2f steps/s, epoch ends in %s",
+            self.epoch + 1,
+            self.epochs,
+            at,
+            self.steps,
+            100 * at / self.steps,
+            rate,
+            _clock(left) if left == left else "?",
+        )
 
 
 def _clock(seconds: float) -> str:
@@ -551,13 +558,20 @@ def run_training(
             log.warning("%s", stop)
             status = "stopped"
     if torch.cuda.is_available():  # each rank's peak, for the plan's estimate to be checked
-        peak = {"allocated": torch.cuda.max_memory_allocated(),
-                "reserved": torch.cuda.max_memory_reserved()}  # fmt: skip
+        peak = {
+            "allocated": torch.cuda.max_memory_allocated(),
+            "reserved": torch.cuda.max_memory_reserved(),
+        }
         (work / f"memory_rank{rank}.json").write_text(json.dumps(peak))
     if rank0:
-        outcome = {"status": status, "signal": state.stop_signal, "epoch": state.epoch,
-                   "local_step": state.local_step, "global_step": state.global_step,
-                   "resumed_from_step": state.resumed_from_step}  # fmt: skip
+        outcome = {
+            "status": status,
+            "signal": state.stop_signal,
+            "epoch": state.epoch,
+            "local_step": state.local_step,
+            "global_step": state.global_step,
+            "resumed_from_step": state.resumed_from_step,
+        }
         tmp = work / "outcome.json.tmp"
         tmp.write_text(json.dumps(outcome))
         os.replace(tmp, work / "outcome.json")

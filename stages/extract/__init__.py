@@ -255,8 +255,12 @@ def plan(p: Plan, view: PlanView) -> None:
         # have read every file, so the disk must hold the bf16 files first.
         need = bpt_other * tokens_est
         p.add("fp8 with vLLM", "written in bf16, quantized at the end: the peak is the bf16 size")
-    p.numbers.update(bytes_per_token=bpt, hidden_state_bytes=stored, free_bytes=free,
-                     **{f"bytes_per_token_{other}": bpt_other})  # fmt: skip
+    p.numbers.update(
+        bytes_per_token=bpt,
+        hidden_state_bytes=stored,
+        free_bytes=free,
+        **{f"bytes_per_token_{other}": bpt_other},
+    )
     p.numbers["disk_need.extract"] = need  # named in a disk-full error, should it come
     p.add(
         "hidden states",

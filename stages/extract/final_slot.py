@@ -98,9 +98,12 @@ def prompt_top1(server: Any, ids: list[int], timeout: float) -> list[int]:
 
     client = openai.OpenAI(base_url=server.url, api_key="EMPTY", max_retries=0)
     out = client.completions.create(
-        model=server.model_id, prompt=ids, max_tokens=1, timeout=timeout,
+        model=server.model_id,
+        prompt=ids,
+        max_tokens=1,
+        timeout=timeout,
         extra_body={"prompt_logprobs": 1},
-    )  # fmt: skip
+    )
     # An extraction server writes this request's states too: remove them (on a server the
     # runner did not start they would stay in its shared folder).
     written = (out.model_extra or {}).get("kv_transfer_params") or {}

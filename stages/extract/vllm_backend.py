@@ -185,12 +185,17 @@ def extract(
         # The last slot must be the pre-norm final state: the target's own norm and head on it
         # reproduce the server's next tokens (only those two tensors are read from disk).
         top1 = final_slot.prompt_top1(server, rows[0].tolist(), e.request_timeout_s)
-        selftest = final_slot.check(facts.path, states[:, -1], top1,
-                                    final_slot.norm_eps(facts.path), facts.num_layers)  # fmt: skip
-        log.info("[extract] final-slot self-test passed: %.1f%% of %d decisive positions agree; "
-                 "read %s in %.1f s", 100 * selftest["selftest_next_token_agreement"],
-                 selftest["selftest_positions"], fmt_bytes(selftest["selftest_bytes_read"]),
-                 selftest["selftest_s"])  # fmt: skip
+        selftest = final_slot.check(
+            facts.path, states[:, -1], top1, final_slot.norm_eps(facts.path), facts.num_layers
+        )
+        log.info(
+            "[extract] final-slot self-test passed: %.1f%% of %d decisive positions agree; "
+            "read %s in %.1f s",
+            100 * selftest["selftest_next_token_agreement"],
+            selftest["selftest_positions"],
+            fmt_bytes(selftest["selftest_bytes_read"]),
+            selftest["selftest_s"],
+        )
         t0 = time.time()
         failed = _run_client(server, requests_dir, done_dir, cfg, max_samples=None)
         seconds = time.time() - t0
