@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from stages.extract import LayerStats
+    from stages.extract.samples import LayerStats
     from stages.extract.transformers_backend import TransformersBackend, extract_to_files
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -94,7 +94,8 @@ def main() -> None:
             tokens_per_s([json.loads(x) for x in (art / "metrics.jsonl").read_text().splitlines()])
         )
         walls["runner"].append(manifest["seconds"])
-        argv = [a for a in manifest["speculators_argv"] if a not in ("--logger", "mlflow")]
+        # The recorded command, without the MLflow logger; argv[:2] is "speculators train".
+        argv = [a for a in manifest["speculators_command"][2:] if a not in ("--logger", "mlflow")]
         argv[argv.index("--save-path") + 1] = tempfile.mkdtemp(prefix="direct_")
         # In a fresh process too, like the runner: no threads or caches carried between the two.
         spec = Path(tempfile.mkdtemp(prefix="direct_io_"))

@@ -100,7 +100,8 @@ def setup(args: argparse.Namespace) -> None:
     from runner.schema import typed
     from runner.store import ArtifactStore
     from runner.target_facts import resolve_target
-    from stages.extract import write_sample
+    from stages import REGISTRY
+    from stages.extract.samples import write_sample
     from tests.conftest import compose
 
     s, root = SHAPES[args.shape], Path(args.root)
@@ -144,7 +145,7 @@ def setup(args: argparse.Namespace) -> None:
     cfg = typed(compose(overrides(root, args.shape, list(args.overrides))))
     facts = resolve_target(cfg, Path(cfg.run.output_root)).facts
     store = ArtifactStore(Path(cfg.run.output_root))
-    planned = {p.name: p for p in Pipeline(cfg, facts, store).plan()}
+    planned = {p.name: p for p in Pipeline(cfg, facts, store, REGISTRY).plan()}
     n, rows, files = args.row_len, args.rows, args.files
     slots = len(facts.extract_ids)
 
@@ -258,7 +259,7 @@ def train(args: argparse.Namespace) -> None:
         },
         "plan_memory": plan[0].strip() if plan else "",
     }
-    (root / "last_argv.json").write_text(json.dumps(m["speculators_argv"]))
+    (root / "last_argv.json").write_text(json.dumps(m["speculators_command"]))
     print(json.dumps(result))
 
 

@@ -3,7 +3,9 @@ or `-m` for a Hydra multirun.
 
 Composes conf/ (see conf/config.yaml), checks the config, materialises the target, plans the
 stages against the artifact store, runs or reuses each one inside one MLflow run, and prints a
-summary with the `mlflow ui` command that shows the run. Examples:
+summary with the `mlflow ui` command that shows the run. This module is the composition root:
+it builds the stage registry (stages/__init__.py) and hands it to the engine, which imports no
+stage itself. Examples:
     python -m runner                                   # embedded default, CPU, no network
     python -m runner train.draft_vocab_size=16384      # re-runs vocab, train, evaluate only
     python -m runner run.stages=[prepare,extract]      # e.g. on the GPU box
@@ -21,7 +23,6 @@ import traceback
 from pathlib import Path
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -29,9 +30,11 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import ConfigError, StageError
 from runner.interrupts import Interrupted, as_interrupted
 from runner.job import rerun_command, run_job
-from runner.schema import RunnerConfig
+from runner.schema import register
+from stages import REGISTRY  # the composition root: the one module that names the stages
 
-ConfigStore.instance().store(name="base_config", node=RunnerConfig)
+# The schema Hydra composes on: RunnerConfig, plus the sections of stages with settings.
+register(REGISTRY)
 # The environment `python -m runner` runs in: a Slurm job's setup activates the same one
 # (conf/hydra/launcher/slurm.yaml).
 if not OmegaConf.has_resolver("runner_python_prefix"):
@@ -56,7 +59,7 @@ def main(cfg: DictConfig) -> float | None:
     # so the sweep goes on and its parent still closes; the sweep then exits 1 (runner/sweep.py).
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
-        result = run_job(cfg)
+        result = run_job(cfg, stages=REGISTRY)
     except ConfigError as exc:
         print(
             f"\nconfig error: {exc.key}: {exc.message}\n"

@@ -19,8 +19,9 @@ import shutil
 from pathlib import Path
 
 from runner.errors import ConfigError
+from runner.packages import package_dir
 from runner.schema import EvalConfig, ModelConfig, prompt_set_name
-from runner.target_facts import model_source, package_dir
+from runner.target_facts import model_source
 
 log = logging.getLogger(__name__)
 

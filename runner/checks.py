@@ -1,10 +1,11 @@
 """Every check of a run's config, in one pass and one place each.
 
-`check_config(cfg)` runs the checks that need nothing but the config (each beside its field in
-runner/schema.py). `check_target(cfg, target)` runs the ones that need the target's facts, read
-from its config files in seconds (runner/target_facts.py). Both raise `ConfigError` naming the
-key to change. What depends on this machine (free disk, the installed vLLM) is checked while the
-plan is built (runner/preflight.py).
+`check_config(cfg, stage_names)` runs the checks that need nothing but the config (each beside
+its field in runner/schema.py). `check_target(cfg, target, stages)` runs the ones that need the
+target's facts, read from its config files in seconds (runner/target_facts.py): the target's
+own (layers, heads, TP, weights per GPU), then each stage's `Stage.check_target` for its own
+settings. Both raise `ConfigError` naming the key to change. What depends on this machine
+(free disk, the installed vLLM) is checked while the plan is built (runner/preflight.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from runner.errors import ConfigError
 from runner.layer_ids import CAPTURE_PRESETS
 from runner.schema import RunnerConfig
-from runner.stage import stage_names
+from runner.stage import Stage
 from runner.target_facts import Target, weight_bytes
 
 GiB = 1 << 30
@@ -20,8 +21,8 @@ GiB = 1 << 30
 WEIGHTS_MAX_GPU_SHARE = 0.95
 
 
-def check_config(cfg: RunnerConfig) -> None:
-    cfg.check(stage_names())
+def check_config(cfg: RunnerConfig, stage_names: tuple[str, ...]) -> None:
+    cfg.check(stage_names)
 
 
 def check_aux_layers(layers: list[int] | tuple[int, ...], n: int, key: str) -> None:
@@ -51,13 +52,6 @@ def check_aux_layers(layers: list[int] | tuple[int, ...], n: int, key: str) -> N
         )
 
 
-def target_context(config: dict) -> int | None:
-    """The longest sequence the target's config.json allows (text config of a wrapper)."""
-    text = config.get("text_config") or config
-    value = text.get("max_position_embeddings") or config.get("max_position_embeddings")
-    return int(value) if value else None
-
-
 def _check_preset(name: str, n: int, key: str) -> None:
     """A named preset on a target too shallow for it gives repeated or unordered ids (default
     on 3 layers: [2, 1, 0]); say so, and from how many layers it works."""
@@ -83,7 +77,19 @@ def _spread(n: int) -> list[int]:
     return sorted({max(0, min(n - 1, i)) for i in (1, n // 2, n - 1)}) if n > 1 else [0]
 
 
-def check_target(cfg: RunnerConfig, target: Target) -> None:
+def check_preset(name: str, n: int, key: str) -> None:
+    """A capture preset must give distinct ascending ids on this target (stages check theirs)."""
+    _check_preset(name, n, key)
+
+
+def check_target(cfg: RunnerConfig, target: Target, stages: tuple[Stage, ...] = ()) -> None:
+    _check_target(cfg, target)
+    for stage in stages:
+        if stage.check_target is not None and stage.is_on(cfg):
+            stage.check_target(cfg, target)
+
+
+def _check_target(cfg: RunnerConfig, target: Target) -> None:
     m, facts, layout = cfg.model, target.facts, target.layout
     reasons = target.remote_code_reasons
     if reasons and not m.trust_remote_code:
@@ -112,20 +118,6 @@ def check_target(cfg: RunnerConfig, target: Target) -> None:
     if m.capture_layers is None:
         _check_preset(m.capture_preset, n, "model.capture_preset")
     check_aux_layers(facts.aux_layers, n, "model.capture_layers")
-    for preset in cfg.extract.superset_presets:
-        _check_preset(preset, n, "extract.superset_presets")
-    context = m.max_context or target_context(target.config)
-    if context and cfg.data.max_seq_len > context:
-        raise ConfigError(
-            "data.max_seq_len",
-            f"{cfg.data.max_seq_len} exceeds the target's context of {context} tokens (config.json "
-            "max_position_embeddings; model.max_context overrides it)",
-        )
-    if cfg.train.draft_vocab_size > facts.vocab_size:
-        raise ConfigError(
-            "train.draft_vocab_size",
-            f"{cfg.train.draft_vocab_size} is larger than the target's vocab ({facts.vocab_size})",
-        )
     tp = cfg.hardware.tensor_parallel_size
     heads, kv = layout.num_attention_heads, layout.num_key_value_heads
     if heads % tp:

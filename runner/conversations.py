@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import ConfigError
+from runner.packages import PACKAGE_PREFIX, package_dir
 from runner.schema import DataConfig
-from runner.target_facts import PACKAGE_PREFIX, package_dir
 
 ROLE_MAP = {
     "human": "user",

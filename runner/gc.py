@@ -17,11 +17,11 @@ Nothing is removed without --delete.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
 
+from runner.layout import RunLayout, default_root
 from runner.store import MANIFEST, ArtifactStore, dead_temps, fmt_bytes
 from runner.tracking import tracking_uri
 
@@ -33,7 +33,7 @@ def _size(path: Path) -> int:
 def _referenced(root: Path, store: ArtifactStore) -> set[tuple[str, str]]:
     """(stage, key) of every artifact an MLflow run of this root names, and what they came
     from. Read through MLflow's client; never creates a store."""
-    db = root / "mlflow.db"
+    db = RunLayout(root).mlflow_db
     if not db.is_file():
         return set()
     import mlflow  # seconds; only for --unreferenced
@@ -85,8 +85,7 @@ def find(root: Path, unreferenced: bool) -> list[tuple[str, Path, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_root = os.environ.get("EAGLE3_RUNNER_HOME", "outputs")
-    ap.add_argument("--root", type=Path, default=Path(default_root), help="run.output_root")
+    ap.add_argument("--root", type=Path, default=Path(default_root()), help="run.output_root")
     ap.add_argument("--delete", action="store_true", help="remove what is listed (default: list)")
     ap.add_argument("--unreferenced", action="store_true", help="also artifacts no run names")
     ap.add_argument("--resume-state", action="store_true", help="also unfinished stages' work")

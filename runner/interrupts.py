@@ -29,6 +29,9 @@ from typing import Any
 
 log = logging.getLogger("runner")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Signals that mean "checkpoint and stop" to a stage that stops on its own terms (training):
+# Ctrl-C, a scheduler's cancel, Slurm's warning before a time limit (sent through submitit).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 class Interrupted(BaseException):
@@ -73,14 +76,22 @@ def _raise(signum: int, _frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """Within the block (main thread only), SIGINT and SIGTERM raise Interrupted."""
+def handling(signals: tuple[signal.Signals, ...], handler: Any) -> Iterator[dict[int, Any]]:
+    """Within the block, `handler` answers `signals` (main thread only: elsewhere Python allows
+    none, and the block runs with the handlers as they were). Yields the previous handlers
+    (e.g. submitit's SIGUSR1 requeue, to chain to); restores them afterwards. The one place the
+    runner installs signal handlers in its own process."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield {}
         return
-    previous = {sig: signal.signal(sig, _raise) for sig in SIGNALS}
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
-        yield
+        yield previous
     finally:
         for sig, old in previous.items():
-            signal.signal(sig, old)
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+def stop_on_signals() -> contextlib.AbstractContextManager[dict[int, Any]]:
+    """Within the block (main thread only), SIGINT and SIGTERM raise Interrupted."""
+    return handling(SIGNALS, _raise)

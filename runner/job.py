@@ -1,10 +1,12 @@
 """One runner job: typed config, checks, target facts, plan, stages in one MLflow run, summary.
 
-`run_job(cfg)` is what `python -m runner` calls once per job (once per sweep point under `-m`).
-It can be called directly with a composed config, which is how the tests drive it. The order is
-fixed: convert the composed config to `RunnerConfig` and run the config checks, read the
-target's facts from its config files and check the config against them, plan (and stop there
-with `run.plan_only`), then materialise the target and run the stages inside one MLflow run.
+`run_job(cfg, stages=REGISTRY)` is what `python -m runner` calls once per job (once per sweep
+point under `-m`), with the registry the composition root (runner/__main__.py) hands it. It can
+be called directly with a composed config and any stages, which is how the tests drive it.
+The order is fixed: convert the composed config to `RunnerConfig` and run the config checks,
+read the target's facts from its config files and check the config against them, plan once (and
+stop there with `run.plan_only`), then materialise the target and execute that plan inside one
+MLflow run.
 Environment changes (hardware.env, MLflow's variables) are undone when the job ends.
 """
 
@@ -22,6 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -29,9 +32,12 @@ from omegaconf import DictConfig, OmegaConf
 from runner.assets import resolve_model
 from runner.checks import check_config, check_target
 from runner.interrupts import as_interrupted, stop_on_signals
+from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, PLOTTED_TAG, RESULTS_FILE, SERIES_TAG
+from runner.layout import RunLayout
 from runner.pipeline import Pipeline, StageResult
-from runner.preflight import Plan, build_plan
-from runner.schema import RunnerConfig, typed
+from runner.preflight import build_plan
+from runner.schema import RunnerConfig, schema_for, typed
+from runner.stage import Plan, Stage, check_registry
 from runner.store import ArtifactStore, writable_root
 from runner.sweep import PARENT_ENV, sweep_job_tags
 from runner.target_facts import Target, resolve_target
@@ -127,36 +133,43 @@ def _cpu_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def run_job(node: DictConfig | RunnerConfig) -> JobResult:
+def run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobResult:
+    """One job over `stages` (the registry, in pipeline order)."""
     _setup_logging()
     with _scoped_environ(), stop_on_signals():
-        return _run_job(node)
+        return _run_job(node, check_registry(stages))
 
 
 def _output_root(node: DictConfig | RunnerConfig) -> Path:
     return Path(node.run.output_root).expanduser().resolve()
 
 
-def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
+def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobResult:
     t_start = time.time()
     try:  # before the job has a run of its own: a failure is recorded for a sweep's parent
-        cfg = typed(node)
-        check_config(cfg)  # everything knowable from the config alone, before anything loads
+        cfg = typed(node, schema_for(stages))
+        # Everything knowable from the config alone, before anything loads.
+        check_config(cfg, tuple(s.name for s in stages))
         output_root = writable_root(_output_root(node))
+        layout = RunLayout(output_root)
         os.environ.update({str(k): str(v) for k, v in cfg.hardware.env.items()})
         target = resolve_target(cfg, output_root)  # config files only; no weights
-        check_target(cfg, target)
+        check_target(cfg, target, stages)
         store = ArtifactStore(output_root)
         if not cfg.run.plan_only:
             store.remove_dead_temps()
-        pipeline = Pipeline(cfg, target.facts, store, rerun_command=rerun_command())
+        pipeline = Pipeline(
+            cfg, target.facts, store, stages, rerun_command=rerun_command(), layout=layout
+        )
+        # Planned once: the pipeline executes this plan, the one printed (no side effects).
         planned = pipeline.plan()
-        plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, output_root)
+        plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, layout)
         _echo(plan.render())
         log.info("preflight took %.2f s since start", time.time() - t_start)
         plan.raise_first_error()
         if cfg.run.plan_only:
             return JobResult(plan=plan, target=target)
+        pipeline.refuse_damaged(planned)
         resolve_model(cfg.model, output_root)  # converts a packaged GGUF once
         tracker = Tracker(cfg.tracking, output_root)
     except Exception as exc:
@@ -171,9 +184,10 @@ def _run_job(node: DictConfig | RunnerConfig) -> JobResult:
     try:
         _log_config(tracker, cfg, target)
         with _cpu_threads(cfg.hardware.cpu_threads):
-            results = {r.name: r for r in pipeline.run()}
+            results = {r.name: r for r in pipeline.run(planned)}
         for r in results.values():
             _log_outputs(tracker, cfg, r)
+        _log_comparison(tracker, cfg, results)
         result = JobResult(
             plan=plan,
             target=target,
@@ -262,6 +276,45 @@ def _log_outputs(tracker: Tracker, cfg: RunnerConfig, r: StageResult) -> None:
         log.warning(
             "[%s] could not log its tables or figures: %s: %s", r.name, type(exc).__name__, exc
         )
+
+
+def _log_comparison(tracker: Tracker, cfg: RunnerConfig, results: dict[str, StageResult]) -> None:
+    """Each stage's sweep columns (`Stage.columns`, from the run's MLflow metrics as logged,
+    curves included), the column that ranks the jobs, and the stages' results rows."""
+    metrics = tracker.metrics()
+    row: dict[str, float | None] = {}
+    plotted: list[str] = []
+    objective: str | None = None
+    series: list[str] = []
+    found: list[dict[str, Any]] = []
+    for r in results.values():
+        stage = r.stage
+        if stage.columns is not None:
+            prefix = f"{stage.name}/"
+            mine = {k[len(prefix) :]: v for k, v in metrics.items() if k.startswith(prefix)}
+            for other in stage.also_reads:
+                name = other.rstrip("/") + "_"
+                mine.update(
+                    {name + k[len(other) :]: v for k, v in metrics.items() if k.startswith(other)}
+                )
+            row.update(stage.columns(mine))
+        if stage.plotted and stage.objective:
+            objective = stage.plotted
+            plotted.insert(0, stage.plotted)  # the objective's column first: it ranks the jobs
+        elif stage.plotted:
+            plotted.append(stage.plotted)
+        series += [s for s in stage.series if s not in series]
+        if stage.results is not None:
+            found += [{"stage": r.name, **x} for x in stage.results(r.metrics, cfg)]
+    tracker.set_tags(
+        {
+            COLUMNS_TAG: json.dumps(row),
+            OBJECTIVE_TAG: objective or "",
+            PLOTTED_TAG: json.dumps(plotted),
+            SERIES_TAG: json.dumps(series),
+        }
+    )
+    tracker.log_text(json.dumps(found, indent=1), RESULTS_FILE)
 
 
 def _end_failed(tracker: Tracker, status: str) -> None:

@@ -33,6 +33,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from runner.layout import RunLayout
+
 log = logging.getLogger("runner")
 PREFIX = "miniature:"
 BUILDERS = ("kimi_k25",)
@@ -101,7 +103,7 @@ VOCAB = 16384
 
 
 def miniature_dir(name: str, output_root: Path) -> Path:
-    return output_root / "models" / f"{name}-miniature"
+    return RunLayout(output_root).models / f"{name}-miniature"
 
 
 def ensure(name: str, output_root: Path) -> Path:

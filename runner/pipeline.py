@@ -1,10 +1,16 @@
 """The stage pipeline: plan keys, reuse or run each stage, publish, and log to MLflow.
 
-`Pipeline(cfg, facts, store, tracker).run()` walks the registered stages (stages/__init__.py)
-in order. Every stage's key is computable from the config alone, so the plan (what will run,
-what is cached, what is missing) is known before any stage starts. A stage outside `run.stages`
-is never computed: its artifact must already be in the store, or the run stops and says which
-stage to run first. The pipeline knows stages only through their `Stage` objects.
+    pipeline = Pipeline(cfg, facts, store, stages)    # stages: the registry, in order
+    planned = pipeline.plan()                          # a value: no side effects
+    results = pipeline.run(planned)                    # executes exactly that plan
+
+Every stage's key is computable from the config alone, so the plan (what will run, what is
+cached, what is missing, which stored artifact is damaged) is known before any stage starts,
+and computing it changes nothing on disk. Executing it re-checks the store under each stage's
+lock (another job may have finished the artifact meanwhile) and moves a damaged artifact aside
+before computing it again (reported in the log). A stage outside `run.stages` is never
+computed: its artifact must already be in the store, or the run stops and says which stage to
+run first. The pipeline knows stages only through their `Stage` objects.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from typing import Any
 
 from runner.errors import ConfigError, StageError
 from runner.interrupts import as_interrupted
+from runner.layout import RunLayout
 from runner.schema import ALL_STAGES, RunnerConfig
-from runner.stage import Stage, StageContext, registry
+from runner.stage import Stage, StageContext, check_registry
 from runner.store import (
     Artifact,
     ArtifactStore,
@@ -47,6 +54,9 @@ class PlannedStage:
     upstream: dict[str, str] = field(default_factory=dict)
     # For "run": why, against the latest artifact of this stage in the store.
     why: str = ""
+    # The stored artifact of this key and what is wrong with it, when it is damaged: executing
+    # the plan moves it aside (run.on_damaged=recompute) before computing it again.
+    damaged: tuple[Path, str] | None = None
 
     @property
     def name(self) -> str:
@@ -77,22 +87,24 @@ class Pipeline:
         cfg: RunnerConfig,
         facts: ModelFacts,
         store: ArtifactStore,
+        stages: tuple[Stage, ...],
         tracker: Tracker | None = None,
         rerun_command: str = "the same command",
+        layout: RunLayout | None = None,
     ):
         self.cfg = cfg
         self.facts = facts
         self.store = store
         self.tracker = tracker
         self.rerun_command = rerun_command
-        self.stages = tuple(s for s in registry() if s.is_on(cfg))
-        # stage -> what is wrong with its stored artifact, found while planning
-        self.damaged: dict[str, str] = {}
+        self.layout = layout or RunLayout(store.root.parent)
+        self.stages = tuple(s for s in check_registry(stages) if s.is_on(cfg))
         # stage -> bytes the plan expects it to write (Plan.numbers "disk_need.<stage>")
         self.disk_needs: dict[str, float] = {}
 
     def plan(self) -> list[PlannedStage]:
-        """The stages this invocation needs, each with its key and what will happen to it."""
+        """The stages this invocation needs, each with its key and what will happen to it.
+        Reads the store (and hashes what run.verify asks for); writes nothing."""
         requested = _named(self.cfg.run.stages, self.stages)
         force = _named(self.cfg.run.force, self.stages)
         on = [i for i, s in enumerate(self.stages) if s.name in requested]
@@ -112,18 +124,19 @@ class Pipeline:
             libs = versions(dict(stage.libraries))
             key = compute_key(stage.name, stage.version, config_slice, upstream, libs)
             keys[stage.name] = key
-            have = self._intact(stage.name, key)
+            damaged = self._damage(stage.name, key)
+            have = damaged is None and self.store.get(stage.name, key) is not None
             why = ""
             if stage.name in requested and (stage.name in force or not have):
                 action = "run"
                 why = "forced (run.force)" if have else self._why(stage, config_slice, upstream)
-                if stage.name in self.damaged:
-                    why = f"the stored artifact is damaged: {self.damaged[stage.name]}"
+                if damaged:
+                    why = f"the stored artifact is damaged: {damaged[0]}: {damaged[1]}"
             elif have:
                 action = "cached"
             else:
                 action = "missing"
-            planned.append(PlannedStage(stage, key, action, upstream, why))
+            planned.append(PlannedStage(stage, key, action, upstream, why, damaged))
         # Only stages that something requested actually depends on need to exist.
         needed = set(requested)
         for p in reversed(planned):
@@ -131,31 +144,27 @@ class Pipeline:
                 needed.update(p.upstream)
         return [p for p in planned if p.name in needed]
 
-    def _intact(self, stage: str, key: str) -> bool:
-        """Whether the store holds this artifact undamaged (runner.store.damage). A damaged one
-        is never used: moved aside to be computed again, or the run stops (run.on_damaged). A
-        plan alone (run.plan_only) changes nothing and only reports it."""
+    def _damage(self, stage: str, key: str) -> tuple[Path, str] | None:
+        """(path, what is wrong) when the store holds this artifact damaged (runner.store.damage);
+        None when it is intact or absent. A damaged artifact is never used."""
         art = self.store.get(stage, key)
         if art is None:
-            return False
+            return None
         wrong = damage(art, full=self.cfg.run.verify == "full")
-        if wrong is None:
-            return True
-        self.damaged[stage] = f"{art.path}: {wrong}"
-        if self.cfg.run.on_damaged == "stop" and not self.cfg.run.plan_only:
-            raise StageError(
-                f"the stored {stage} artifact {art.path} is damaged: {wrong}. Delete it, or set "
-                "run.on_damaged=recompute to move it aside and compute it again"
-            )
-        if not self.cfg.run.plan_only:
-            aside = self.store.set_aside(art)
-            log.warning(
-                "[%s] stored artifact damaged (%s): moved to %s; computing it again",
-                stage,
-                wrong,
-                aside,
-            )
-        return False
+        return None if wrong is None else (art.path, wrong)
+
+    def refuse_damaged(self, planned: list[PlannedStage]) -> None:
+        """run.on_damaged=stop: a damaged artifact the plan would use or replace stops the run
+        before anything is moved or computed."""
+        if self.cfg.run.on_damaged != "stop":
+            return
+        for p in planned:
+            if p.damaged:
+                path, wrong = p.damaged
+                raise StageError(
+                    f"the stored {p.name} artifact {path} is damaged: {wrong}. Delete it, or set "
+                    "run.on_damaged=recompute to move it aside and compute it again"
+                )
 
     def _why(self, stage: Stage, config_slice: Any, upstream: dict[str, str]) -> str:
         """What differs from the latest stored artifact of this stage: its own settings (e.g.
@@ -200,11 +209,12 @@ class Pipeline:
                 )
         return None
 
-    def run(self) -> list[StageResult]:
-        planned = self.plan()
+    def run(self, planned: list[PlannedStage]) -> list[StageResult]:
+        """Execute `planned` (from `plan()`, as printed): reuse or compute each stage in order."""
         why = self.missing(planned)
         if why:
             raise ConfigError("run.stages", why)
+        self.refuse_damaged(planned)
         force = _named(self.cfg.run.force, self.stages)
         results = []
         artifacts: dict[str, Artifact] = {}
@@ -226,6 +236,16 @@ class Pipeline:
     ) -> StageResult:
         """One stage: reuse or compute it, then track it."""
         t0 = time.time()
+        if p.damaged is not None:
+            art = self.store.get(p.name, p.key)
+            if art is not None and art.path == p.damaged[0]:
+                aside = self.store.set_aside(art)
+                log.warning(
+                    "[%s] stored artifact damaged (%s): moved to %s; computing it again",
+                    p.name,
+                    p.damaged[1],
+                    aside,
+                )
         art = self.store.get(p.name, p.key) if p.action == "cached" else None
         if art is not None:
             self._check_provenance(p.stage, art)
@@ -366,6 +386,7 @@ class Pipeline:
                 scratch=scratch,
                 tracker=self.tracker,
                 rerun_command=self.rerun_command,
+                layout=self.layout,
             )
             try:
                 metrics = stage.run(ctx) or {}

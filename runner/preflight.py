@@ -14,18 +14,17 @@ teacher-logit memory, ...), weights per GPU, parallelism and the environment tha
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 
 from runner import endpoint
-from runner.errors import ConfigError
 from runner.integrations.vllm import vllm_eagle3_support
 from runner.layer_ids import to_output_of
+from runner.layout import RunLayout
 from runner.schema import RunnerConfig
-from runner.stage import PlanView, Stage
+from runner.stage import DRAFT, EXTRACTION, GENERATE, Plan, PlanView, ServerNeed, Stage
 from runner.store import ArtifactStore, fmt_bytes
 from runner.target_facts import Target, weight_bytes
 from runner.target_layout import MIN_VLLM, MIN_VLLM_DEFAULT
@@ -35,45 +34,6 @@ from runner.versions import ABSENT, VLLM_DISTS, lib_version, version_tuple
 GiB = 1 << 30
 # Above this share of a GPU taken by weights, the plan warns that little is left for KV cache.
 WEIGHTS_WARN_GPU_SHARE = 0.8
-
-
-@dataclass
-class Problem:
-    level: str  # "error" or "warning"
-    key: str
-    message: str
-
-
-@dataclass
-class Plan:
-    lines: list[str] = field(default_factory=list)
-    problems: list[Problem] = field(default_factory=list)
-    numbers: dict[str, Any] = field(default_factory=dict)
-
-    def add(self, label: str, value: str) -> None:
-        self.lines.append(f"  {label:<26} {value}")
-
-    def error(self, key: str, message: str) -> None:
-        self.problems.append(Problem("error", key, message))
-
-    def warn(self, key: str, message: str) -> None:
-        self.problems.append(Problem("warning", key, message))
-
-    @property
-    def errors(self) -> list[Problem]:
-        return [p for p in self.problems if p.level == "error"]
-
-    def render(self) -> str:
-        out = ["==== eagle3 runner: plan ====", *self.lines]
-        for p in self.problems:
-            out.append(f"  {p.level.upper():<8} {p.key}: {p.message}")
-        if not self.problems:
-            out.append("  no problems found")
-        return "\n".join(out)
-
-    def raise_first_error(self) -> None:
-        if self.errors:
-            raise ConfigError(self.errors[0].key, self.errors[0].message)
 
 
 def _target_lines(plan: Plan, cfg: RunnerConfig, target: Target) -> None:
@@ -130,13 +90,14 @@ def _hardware_lines(plan: Plan, cfg: RunnerConfig, target: Target) -> None:
 
 
 def _engine_lines(
-    plan: Plan, cfg: RunnerConfig, target: Target, users: list[str], features: set[str]
+    plan: Plan, cfg: RunnerConfig, target: Target, needs: dict[str, ServerNeed]
 ) -> None:
     """Every stage that starts a vLLM server needs it, and needs the target's vLLM class to
     capture EAGLE-3 aux hidden states: found out here, not after a half-hour load."""
     arch = target.layout.architecture
     need = MIN_VLLM.get(arch, MIN_VLLM_DEFAULT)
     custom = list(cfg.hardware.vllm.command)
+    users = list(needs)
     started_by = ", ".join(users) or "no stage of this run"
     if custom:
         plan.add(
@@ -179,7 +140,9 @@ def _engine_lines(
             f"hidden states), so {who} cannot capture or serve with a draft; use a target class "
             "that does, or another vLLM (hardware.vllm.command)",
         )
-    elif "extract_hidden_states" in features and not support.get("extract_hidden_states"):
+    elif any(n.kind == EXTRACTION for n in needs.values()) and not support.get(
+        "extract_hidden_states"
+    ):
         plan.error(
             "extract.backend",
             f"vLLM {have} lacks the extract_hidden_states speculative method or its "
@@ -196,7 +159,7 @@ _NO_ID0_BACKBONES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 
 def _engine_limits(
-    plan: Plan, cfg: RunnerConfig, target: Target, needs: dict[str, tuple[str, ...]]
+    plan: Plan, cfg: RunnerConfig, target: Target, needs: dict[str, ServerNeed]
 ) -> None:
     """What the installed vLLM cannot do with this target, found by running the Kimi-K2.5
     miniature (runner/miniatures.py) through it, refused before anything loads."""
@@ -211,7 +174,7 @@ def _engine_limits(
             "from id 1",
         )
     mla = bool(text.get("kv_lora_rank"))
-    drafts = [n for n, f in needs.items() if "eagle3" in f and "extract_hidden_states" not in f]
+    drafts = [name for name, need in needs.items() if need.kind == DRAFT]
     if mla and drafts and cfg.hardware.device == "cpu" and not cfg.hardware.vllm.endpoint:
         plan.error(
             "run.stages",
@@ -237,7 +200,7 @@ def _probe_tokens(cfg: RunnerConfig, target: Target) -> list[int] | None:
 
 
 def _endpoint_lines(
-    plan: Plan, cfg: RunnerConfig, target: Target, needs: dict[str, tuple[str, ...]]
+    plan: Plan, cfg: RunnerConfig, target: Target, needs: dict[str, ServerNeed]
 ) -> None:
     """hardware.vllm.endpoint: a server that already runs, asked now whether it is the one the
     stages of this run need (runner/endpoint.py)."""
@@ -246,10 +209,7 @@ def _endpoint_lines(
     if not needs:
         plan.add("vLLM", f"{url} (hardware.vllm.endpoint): no stage of this run uses it")
         return
-    kinds = {
-        n: endpoint.EXTRACTION if "extract_hidden_states" in f else endpoint.DRAFT
-        for n, f in needs.items()
-    }
+    kinds = {name: need.kind for name, need in needs.items()}
     if len(set(kinds.values())) > 1:
         plan.error(
             "hardware.vllm.endpoint",
@@ -257,21 +217,20 @@ def _endpoint_lines(
             "extraction and a draft; run them in separate invocations (run.stages=[...])",
         )
         return
-    need = next(iter(kinds.values()))
+    need = next(iter(needs.values()))
     info = endpoint.inspect(url, timeout=float(cfg.tracking.connect_timeout_s))
     if isinstance(info, str):
         plan.error("hardware.vllm.endpoint", f"{url} {info}")
         return
     plan.add("vLLM", f"existing server {endpoint.describe(info)}; used by {', '.join(kinds)}")
-    extraction = need == endpoint.EXTRACTION
     found = endpoint.problems(
         info,
-        need,
+        endpoint.EXTRACTION if need.kind == EXTRACTION else endpoint.DRAFT,
         tokens=_probe_tokens(cfg, target),
-        min_model_len=cfg.data.max_seq_len + 1 if extraction else cfg.eval.max_model_len,
-        len_key="data.max_seq_len" if extraction else "eval.max_model_len",
+        min_model_len=need.context,
+        len_key=need.context_key,
         dtype=cfg.hardware.dtype,
-        k=None if extraction else cfg.eval.num_speculative_tokens,
+        k=need.k,
     )
     for level, key, message in found:
         (plan.error if level == "error" else plan.warn)(key, message)
@@ -325,7 +284,7 @@ def build_plan(
     planned: list[Any],
     missing: str | None,
     store: ArtifactStore,
-    output_root: Path,
+    layout: RunLayout,
 ) -> Plan:
     """The plan for `planned` (runner.pipeline.PlannedStage list); `missing` says why a needed
     stage can be neither reused nor computed."""
@@ -341,7 +300,8 @@ def build_plan(
         cfg=cfg,
         target=target,
         store=store,
-        output_root=output_root,
+        output_root=layout.root,
+        layout=layout,
         actions={p.name: p.action for p in planned},
         keys={p.name: p.key for p in planned},
     )
@@ -352,22 +312,23 @@ def build_plan(
     _hardware_lines(plan, cfg, target)
     # Only stages this invocation runs start servers.
     needs = {
-        s.name: s.vllm_features(cfg)
+        s.name: need
         for s in stages
-        if s.vllm_features is not None and view.actions[s.name] == "run"
+        if s.server is not None
+        and view.actions[s.name] == "run"
+        and (need := s.server(cfg)) is not None
     }
-    users = [name for name, features in needs.items() if features]
     if cfg.hardware.vllm.endpoint:
-        # regenerate ("generate") always starts a server of its own: the endpoint serves the rest.
-        served = {n: f for n, f in needs.items() if f and f != ("generate",)}
-        _endpoint_lines(plan, cfg, target, served)
+        # A generating stage (regenerate) always starts a server of its own: the endpoint
+        # serves the rest.
+        _endpoint_lines(plan, cfg, target, {n: x for n, x in needs.items() if x.kind != GENERATE})
     else:
-        _engine_lines(plan, cfg, target, users, {f for fs in needs.values() for f in fs})
-    _engine_limits(plan, cfg, target, {n: f for n, f in needs.items() if f})
+        _engine_lines(plan, cfg, target, needs)
+    _engine_limits(plan, cfg, target, needs)
     plan.add("environment", ", ".join(f"{k}={v}" for k, v in cfg.hardware.env.items()) or "(none)")
-    _launcher_lines(plan, output_root)
+    _launcher_lines(plan, layout.root)
     _gpu_lines(plan, cfg, any(p.action == "run" for p in planned))
-    _tracking_lines(plan, cfg, output_root)
+    _tracking_lines(plan, cfg, layout.root)
     return plan
 
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import shlex
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from runner.schema import prompt_set_name
+from runner.job_tags import RESULTS_FILE
+from runner.layout import default_root
 from runner.store import new_folder
 from runner.tracking import missing_store, tracking_uri
 
@@ -65,9 +65,27 @@ def local_serve_command(run: Any, folder: Path) -> str | None:
         return None
 
 
-def model_card(run: Any, draft_config: dict[str, Any], repo: str, local: str | None = None) -> str:
-    """README.md for the published folder, from the run's params, metrics and the draft's own
-    config; `local` is the command that serves this folder on the machine that evaluated it."""
+def run_results(run: Any) -> list[dict[str, Any]]:
+    """The results rows the run's stages declared (its results.json: runner/job_tags.py)."""
+    import mlflow  # the caller already has a run: mlflow is imported
+
+    try:
+        text = mlflow.artifacts.load_text(f"{run.info.artifact_uri}/{RESULTS_FILE}")
+        return list(json.loads(text))
+    except Exception:  # a run from before results.json, or one that evaluated nothing
+        return []
+
+
+def model_card(
+    run: Any,
+    draft_config: dict[str, Any],
+    repo: str,
+    local: str | None = None,
+    results: list[dict[str, Any]] | None = None,
+) -> str:
+    """README.md for the published folder, from the run's params, its results rows and the
+    draft's own config; `local` is the command that serves this folder on the machine that
+    evaluated it."""
     p, m = run.data.params, run.data.metrics
     ours = draft_config.get("eagle3_runner", {})
     base = ours.get("target_hub_id") or ours.get("target_local_path") or p.get("model.source")
@@ -77,21 +95,14 @@ def model_card(run: Any, draft_config: dict[str, Any], repo: str, local: str | N
     if p.get("model.trust_remote_code") == "True":
         serve += " --trust-remote-code"
     rows = []
-    sets = [prompt_set_name(x) for x in _listed(p.get("eval.prompts", "[]"))] or ["prompts"]
-    for i, name in enumerate(sets):
-        pre = "evaluate/" if i == 0 else f"evaluate/{name}/"
-        if f"{pre}acceptance_length" not in m:
+    for r in results if results is not None else run_results(run):
+        if "acceptance_length" not in r:
             continue
-        positions = sorted(
-            (int(key.rsplit("_", 1)[1]), v)
-            for key, v in m.items()
-            if key.startswith(f"{pre}acceptance_pos_")
-        )
-        per_pos = " / ".join(f"{v:.3f}" for _, v in positions)
-        random = m.get("evaluate/random_acceptance_length") if i == 0 else None
+        per_pos = " / ".join(f"{v:.3f}" for v in r.get("per_position", []))
+        random = r.get("random_acceptance_length")
         rows.append(
-            f"| {name} ({int(m.get(f'{pre}prompts', 0))} prompts) | {k} | "
-            f"{m[f'{pre}acceptance_length']:.3f} | {per_pos} | "
+            f"| {r.get('set')} ({int(r.get('prompts') or 0)} prompts) | {r.get('k', k)} | "
+            f"{r['acceptance_length']:.3f} | {per_pos} | "
             f"{'-' if random is None else f'{random:.3f}'} |"
         )
     acceptance = "\n".join(rows) or "| not evaluated | | | | |"
@@ -184,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repo-id", help="hub repository id, used in the card's serve command")
     ap.add_argument("--push", action="store_true", help="upload the folder to --repo-id")
     ap.add_argument("--tracking-uri")
-    ap.add_argument("--output-root", default=os.environ.get("EAGLE3_RUNNER_HOME", "outputs"))
+    ap.add_argument("--output-root", default=default_root())
     ap.add_argument("--experiment", default="eagle3")
     args = ap.parse_args(argv)
     if args.push and not args.repo_id:

@@ -12,10 +12,10 @@ store is only read: a missing one is an error, never created. Options:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from runner.layout import default_root
 from runner.sweep import comparison_rows, render_table, run_row
 from runner.tracking import missing_store, tracking_uri
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("parent", nargs="?", help="sweep parent run id (default: the newest sweep)")
     ap.add_argument("--tracking-uri")
-    ap.add_argument("--output-root", default=os.environ.get("EAGLE3_RUNNER_HOME", "outputs"))
+    ap.add_argument("--output-root", default=default_root())
     ap.add_argument("--experiment", default="eagle3")
     args = ap.parse_args(argv)
     root = Path(args.output_root).expanduser().resolve()

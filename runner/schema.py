@@ -18,7 +18,10 @@ auxiliary layers only; the runner always appends n.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import urllib.parse
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -679,20 +682,13 @@ class RunnerConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def check(self, stage_names: tuple[str, ...]) -> None:
-        """Every check that needs nothing but this config: each section's own, then the few
-        between sections."""
-        sections = (
-            self.model,
-            self.hardware,
-            self.data,
-            self.regenerate,
-            self.extract,
-            self.train,
-            self.eval,
-            self.tracking,
-        )
-        for section in sections:
-            section.check()
+        """Every check that needs nothing but this config: each section's own (found from the
+        dataclass fields, a stage's own settings section included), then the few between
+        sections."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if f.name != "run" and callable(getattr(section, "check", None)):
+                section.check()
         self.run.check(stage_names)
         t, d, hw = self.train, self.data, self.hardware
         if t.total_seq_len is not None and t.total_seq_len < d.max_seq_len:
@@ -747,7 +743,39 @@ class RunnerConfig:
         return self.extract.mode == ExtractMode.online and not self.hardware.vllm.endpoint
 
 
-def check_known_keys(node: DictConfig) -> None:
+def schema_for(stages: Iterable[Any]) -> type[RunnerConfig]:
+    """The config schema of a registry: RunnerConfig plus a section for each stage that declares
+    its own settings (`Stage.settings`, a dataclass with defaults and a `check()`), under the
+    stage's name; e.g. `count.min_rows=5`. A stage with settings is one module and one registry
+    line: its section is composed, typed, checked and logged like the built-in ones."""
+    extra = tuple(
+        (s.name, s.settings)
+        for s in stages
+        if getattr(s, "settings", None) is not None
+        and s.name not in {f.name for f in dataclasses.fields(RunnerConfig)}
+    )
+    return _schema(extra)
+
+
+@functools.cache
+def _schema(extra: tuple[tuple[str, type], ...]) -> type[RunnerConfig]:
+    if not extra:
+        return RunnerConfig
+    fields = [(name, kind, field(default_factory=kind)) for name, kind in extra]
+    return dataclasses.make_dataclass("RunnerConfig", fields, bases=(RunnerConfig,))
+
+
+def register(stages: Iterable[Any]) -> type[RunnerConfig]:
+    """Make the registry's schema the base of Hydra's composition (`base_config` in
+    conf/config.yaml's defaults); returns it. The composition root calls it once."""
+    from hydra.core.config_store import ConfigStore
+
+    schema = schema_for(stages)
+    ConfigStore.instance().store(name="base_config", node=schema)
+    return schema
+
+
+def check_known_keys(node: DictConfig, schema: type[RunnerConfig] = RunnerConfig) -> None:
     """Reject keys the schema does not know, including ones added with Hydra's `+key=value`
     (which bypasses the schema's struct mode). Free-form dicts (env, extra args) are exempt."""
 
@@ -770,17 +798,20 @@ def check_known_keys(node: DictConfig) -> None:
             ):
                 walk(sub[key], child, full + ".")
 
-    walk(node, OmegaConf.structured(RunnerConfig), "")
+    walk(node, OmegaConf.structured(schema), "")
 
 
-def typed(node: DictConfig | RunnerConfig) -> RunnerConfig:
-    """The composed config as `RunnerConfig` dataclasses (unknown keys refused first)."""
+def typed(
+    node: DictConfig | RunnerConfig, schema: type[RunnerConfig] = RunnerConfig
+) -> RunnerConfig:
+    """The composed config as `schema`'s dataclasses (unknown keys refused first); `schema` is
+    the registry's (`schema_for(stages)`) when stages bring settings of their own."""
     if isinstance(node, RunnerConfig):
         return node
-    check_known_keys(node)
+    check_known_keys(node, schema)
     node = OmegaConf.masked_copy(node, [k for k in node if k != "hydra"])
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(RunnerConfig), node)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
         return OmegaConf.to_object(merged)
     except MissingMandatoryValue as exc:  # e.g. model=hf without model.source
         missing = sorted(OmegaConf.missing_keys(node)) or [exc.full_key or "?"]

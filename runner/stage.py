@@ -1,14 +1,16 @@
 """The stage contract: what one pipeline stage declares, and what it is handed when it runs.
 
 Every module under stages/ exports one `Stage` object; `stages/__init__.py` lists them in
-pipeline order (the registry, the one list of stages). The engine (job, pipeline, preflight,
-sweep, report) reads everything it needs from these objects and never names a stage. Adding a
-stage is one module plus one registry line:
+pipeline order (the registry, the one list of stages). The composition root (runner/__main__.py)
+hands that registry to the engine (`run_job(cfg, stages=...)`); no other module of runner/
+imports stages/. The engine (job, pipeline, preflight, sweep, report) reads everything it needs
+from these objects and never names a stage. Adding a stage is one module plus one registry line:
 
     STAGE = Stage(
         name="regenerate", upstream=("prepare",), version="1",
         libraries={"vllm": VLLM_DISTS}, identities=("tokenizer_id", "weights_id"),
         key_config=key_config, run=run, logged={"summary.json": "regenerate"},
+        server=lambda cfg: ServerNeed(GENERATE, ...),
     )
 
 `run(ctx)` writes its files into `ctx.out` (a temporary folder the store publishes atomically
@@ -19,13 +21,15 @@ installed versions of `libraries`, so changing any of them recomputes the stage.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from runner.errors import ConfigError
 
 if TYPE_CHECKING:  # types only: these modules import this one
-    from runner.preflight import Plan
+    from runner.layout import RunLayout
     from runner.schema import RunnerConfig
     from runner.store import Artifact, ArtifactStore
     from runner.target_facts import ModelFacts, Target
@@ -33,6 +37,74 @@ if TYPE_CHECKING:  # types only: these modules import this one
 
 # Target identities a stage's output can depend on (see ModelFacts).
 IDENTITIES = ("tokenizer_id", "weights_id")
+
+
+@dataclass
+class Problem:
+    level: str  # "error" or "warning"
+    key: str
+    message: str
+
+
+@dataclass
+class Plan:
+    """The preflight plan: lines a person reads, problems (each naming its key), and numbers
+    the engine uses later (e.g. "disk_need.<stage>": bytes the stage will write)."""
+
+    lines: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, label: str, value: str) -> None:
+        self.lines.append(f"  {label:<26} {value}")
+
+    def error(self, key: str, message: str) -> None:
+        self.problems.append(Problem("error", key, message))
+
+    def warn(self, key: str, message: str) -> None:
+        self.problems.append(Problem("warning", key, message))
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.level == "error"]
+
+    def render(self) -> str:
+        out = ["==== eagle3 runner: plan ====", *self.lines]
+        for p in self.problems:
+            out.append(f"  {p.level.upper():<8} {p.key}: {p.message}")
+        if not self.problems:
+            out.append("  no problems found")
+        return "\n".join(out)
+
+    def raise_first_error(self) -> None:
+        if self.errors:
+            raise ConfigError(self.errors[0].key, self.errors[0].message)
+
+
+# What a stage asks of a vLLM server while it runs (Stage.server).
+# extraction: the target with extract_hidden_states and the hidden-states connector;
+# draft: the target serving an EAGLE-3 draft (aux hidden states); generate: the target alone,
+# always a server of the stage's own (hardware.vllm.endpoint serves the other kinds).
+ServerKind = Literal["extraction", "draft", "generate"]
+EXTRACTION: ServerKind = "extraction"
+DRAFT: ServerKind = "draft"
+GENERATE: ServerKind = "generate"
+
+
+@dataclass(frozen=True)
+class ServerNeed:
+    kind: ServerKind
+    # The context length the server must take, and the runner key that sets it (named when an
+    # existing server's is too short).
+    context: int
+    context_key: str
+    # Speculative tokens an existing draft server must propose (draft only).
+    k: int | None = None
+
+    @property
+    def needs_eagle3(self) -> bool:
+        """The target's vLLM class must capture EAGLE-3 aux hidden states."""
+        return self.kind in (EXTRACTION, DRAFT)
 
 
 @dataclass
@@ -52,6 +124,8 @@ class StageContext:
     tracker: Tracker | None = None
     # The command that runs this job again (a stage that stops early tells the user to use it).
     rerun_command: str = "the same command"
+    # The run's folders (store, cache, models, MLflow, Hydra's outputs).
+    layout: RunLayout | None = None
 
 
 @dataclass
@@ -62,6 +136,7 @@ class PlanView:
     target: Target
     store: ArtifactStore
     output_root: Path
+    layout: RunLayout
     # stage name -> "run", "cached" or "missing", for the stages this invocation needs.
     actions: dict[str, str]
     # stage name -> key, same stages.
@@ -77,7 +152,11 @@ class PlanView:
 
 @dataclass(frozen=True)
 class Stage:
+    """One stage's declaration, by concern: what keys it, what runs, what the plan asks of it,
+    what the run reports."""
+
     name: str
+    # --- key: what its output depends on -----------------------------------------------------
     # (cfg, facts) -> the config slice the output depends on (part of the key).
     key_config: Callable[[RunnerConfig, ModelFacts], dict[str, Any]]
     # (ctx) -> metrics; writes the artifact's files into ctx.out.
@@ -90,6 +169,30 @@ class Stage:
     libraries: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Target identities (IDENTITIES) the output is made for; a reused artifact must match them.
     identities: tuple[str, ...] = ()
+    # (cfg) -> the stages of `upstream` this config reads (default: all of them); e.g. evaluate
+    # of a draft trained elsewhere (eval.draft) reads no train artifact.
+    reads: Callable[[RunnerConfig], tuple[str, ...]] | None = None
+    # (cfg) -> whether the pipeline has this stage at all (an optional stage, e.g. regenerate);
+    # a stage that reads it finds it in ctx.inputs only when it is on.
+    enabled: Callable[[RunnerConfig], bool] | None = None
+    # Settings of its own: a dataclass (defaults, a `check()` raising ConfigError) that becomes
+    # the config section named after the stage (runner.schema.schema_for), read as
+    # `getattr(cfg, name)`; a conf/<name>/ group of options is optional.
+    settings: type | None = None
+    # --- run ----------------------------------------------------------------------------------
+    # Keep the scratch folder of a failed run, so the next run resumes from it.
+    resumable: bool = False
+    # (cfg) -> the vLLM server this stage needs when it runs (None: it starts none). The plan
+    # checks the installed vLLM, or hardware.vllm.endpoint, against it.
+    server: Callable[[RunnerConfig], ServerNeed | None] | None = None
+    # --- plan: checked and shown before anything loads -----------------------------------------
+    # (cfg, target) -> raises ConfigError naming the key when this stage's settings cannot work
+    # with this target (from its config files alone, seconds).
+    check_target: Callable[[RunnerConfig, Target], None] | None = None
+    # (plan, view) -> adds this stage's lines and problems to the preflight plan; bytes it will
+    # write go to plan.numbers["disk_need.<name>"].
+    plan: Callable[[Plan, PlanView], None] | None = None
+    # --- report: MLflow, the summary, the sweep comparison --------------------------------------
     # Files or folders of the artifact (relative path -> MLflow folder) copied to the run.
     logged: Mapping[str, str] = field(default_factory=dict)
     # (metrics, artifact path, cfg) -> lines of the end-of-run summary.
@@ -98,6 +201,17 @@ class Stage:
     # "<name>/" (prefix removed) and under each of `also_reads` ("val/loss" -> "val_loss").
     columns: Callable[[Mapping[str, float]], dict[str, float | None]] | None = None
     also_reads: tuple[str, ...] = ()
+    # The column of `columns` that ranks and plots a sweep's jobs (higher is better when it is
+    # the objective's; the first stage in reverse pipeline order that has one is used).
+    plotted: str | None = None
+    # Settings that make a sweep plot's series rather than its x axis (e.g. the vocab size).
+    series: tuple[str, ...] = ()
+    # A metric of this stage that `python -m runner` returns to Hydra sweepers to optimise.
+    objective: str | None = None
+    # (metrics, cfg) -> the results a published card shows, one row per measurement (e.g. per
+    # prompt set: {"set", "prompts", "k", "acceptance_length", "per_position", ...}); logged with
+    # the run as results.json so that tools outside the run read them without metric names.
+    results: Callable[[Mapping[str, Any], RunnerConfig], list[dict[str, Any]]] | None = None
     # Curves a library logs into the run while the stage computes (a JSONL of step records in the
     # artifact, e.g. speculators' train/loss and val/loss_epoch): a run that reuses the artifact
     # replays them, so every run shows the same series. Metrics of the stage starting with
@@ -109,22 +223,6 @@ class Stage:
     tables: Callable[[Mapping[str, Any], Path], dict[str, list[dict[str, Any]]]] | None = None
     # (metrics, artifact path) -> {artifact file: matplotlib figure}, logged with mlflow.log_figure.
     figures: Callable[[Mapping[str, Any], Path], dict[str, Any]] | None = None
-    # (plan, view) -> adds this stage's lines and problems to the preflight plan.
-    plan: Callable[[Plan, PlanView], None] | None = None
-    # (cfg) -> the vLLM features this stage needs when it runs (empty: it starts no server):
-    # "eagle3" (a target class that captures aux hidden states), "extract_hidden_states".
-    # Preflight checks the installed vLLM for them (runner/preflight.py).
-    vllm_features: Callable[[RunnerConfig], tuple[str, ...]] | None = None
-    # A metric of this stage that `python -m runner` returns to Hydra sweepers to optimise.
-    objective: str | None = None
-    # Keep the scratch folder of a failed run, so the next run resumes from it.
-    resumable: bool = False
-    # (cfg) -> the stages of `upstream` this config reads (default: all of them); e.g. evaluate
-    # of a draft trained elsewhere (eval.draft) reads no train artifact.
-    reads: Callable[[RunnerConfig], tuple[str, ...]] | None = None
-    # (cfg) -> whether the pipeline has this stage at all (an optional stage, e.g. regenerate);
-    # a stage that reads it finds it in ctx.inputs only when it is on.
-    enabled: Callable[[RunnerConfig], bool] | None = None
 
     def is_on(self, cfg: RunnerConfig) -> bool:
         return self.enabled is None or self.enabled(cfg)
@@ -135,20 +233,15 @@ class Stage:
             raise ValueError(f"stage {self.name}: unknown identities {bad}; use {IDENTITIES}")
 
 
-def registry() -> tuple[Stage, ...]:
-    """The registered stages in pipeline order (stages/__init__.py), checked for consistency."""
-    import stages  # here, not at the top: stage modules import this module
-
+def check_registry(stages: Iterable[Stage]) -> tuple[Stage, ...]:
+    """The stages in pipeline order, checked: unique names, each after the stages it reads."""
     seen: set[str] = set()
-    for stage in stages.REGISTRY:
+    out = tuple(stages)
+    for stage in out:
         missing = [u for u in stage.upstream if u not in seen]
         if missing:
             raise ValueError(f"stage {stage.name} reads {missing}, which must come before it")
         if stage.name in seen:
             raise ValueError(f"stage {stage.name} is registered twice")
         seen.add(stage.name)
-    return tuple(stages.REGISTRY)
-
-
-def stage_names() -> tuple[str, ...]:
-    return tuple(s.name for s in registry())
+    return out

@@ -35,6 +35,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from runner.errors import ConfigError
+from runner.layout import RunLayout
 
 log = logging.getLogger("runner")
 
@@ -235,7 +236,7 @@ class Artifact:
 
 class ArtifactStore:
     def __init__(self, root: Path):
-        self.root = Path(root) / "store"
+        self.root = RunLayout(Path(root)).store
 
     def path(self, stage: str, key: str) -> Path:
         return self.root / stage / key

@@ -4,12 +4,14 @@
 multirun it creates the parent run and exports its id (EAGLE3_PARENT_RUN_ID), which every job's
 run takes as `mlflow.parentRunId`. Jobs never raise out of Hydra (the entry point records a
 failed job as a FAILED child and carries on), so `on_multirun_end` always runs: it builds the
-comparison from the children in MLflow, logs it to the parent (`comparison.csv`, `.md`, `.json`,
-`acceptance.png`) and closes the parent, FAILED if any child failed; then the command exits 1.
+comparison from the children in MLflow, logs it to the parent (`comparison.csv`, `.md`,
+`.json`, `comparison.png`: the objective, or another declared column, against the swept
+setting) and closes the parent, FAILED if any child failed; then the command exits 1.
 The children's statuses in MLflow are the one record of which jobs failed.
 
-Columns come from the stages (`Stage.columns`), so a stage's new metric, or a k=5 evaluation's
-five acceptance positions, appear without changes here.
+Columns come from the stages (`Stage.columns`, `plotted`, `objective`, `series`), recorded by each
+job as tags of its run (runner/job_tags.py), so a stage's new metric, or a k=5 evaluation's five
+acceptance positions, appear without changes here; this module never imports a stage.
 `comparison_rows(client, parent_id)` / `render_table(rows)` are shared with
 `python -m runner.report`.
 """
@@ -34,7 +36,7 @@ from omegaconf import DictConfig
 
 from runner import shared_servers
 from runner.errors import ConfigError
-from runner.stage import registry
+from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, PLOTTED_TAG, SERIES_TAG
 from runner.store import writable_root
 from runner.tracking import Tracker, check_store, process_tags, tracking_uri
 
@@ -112,7 +114,13 @@ class SweepCallback(Callback):
         client = mlflow.MlflowClient(uri)
         rows = comparison_rows(client, parent)
         failed = [r["run_id"] for r in rows if r["status"] != "FINISHED"]
-        log_comparison(client, parent, rows, swept_keys(client.get_run(parent).data.tags))
+        log_comparison(
+            client,
+            parent,
+            rows,
+            swept_keys(client.get_run(parent).data.tags),
+            declared(children_tags(client, parent)),
+        )
         print(render_table(rows))
         client.set_terminated(parent, status="FAILED" if failed else "FINISHED")
         ui = f"open {uri}" if uri.startswith("http") else f"mlflow ui --backend-store-uri {uri}"
@@ -135,10 +143,19 @@ def comparison_rows(client: Any, parent_id: str) -> list[dict[str, Any]]:
     return _same_columns([run_row(child, swept) for child in children])
 
 
+def children_tags(client: Any, parent_id: str) -> list[dict[str, str]]:
+    parent = client.get_run(parent_id)
+    children = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+        max_results=1000,
+    )
+    return [dict(c.data.tags) for c in children]
+
+
 def run_row(child: Any, swept: list[str]) -> dict[str, Any]:
-    """One run's row of the comparison: its swept settings, capture ids and the stages' columns
-    from its MLflow metrics."""
-    stages = registry()
+    """One run's row of the comparison: its swept settings, capture ids and the columns its
+    stages declared (the job records them as the tag `comparison.columns`)."""
     p, m, t = child.data.params, child.data.metrics, child.data.tags
     row: dict[str, Any] = {
         "job": t.get("sweep.job", ""),
@@ -149,21 +166,26 @@ def run_row(child: Any, swept: list[str]) -> dict[str, Any]:
         # A config group (regenerate=none,vllm) is no param itself: its option's name or backend.
         row[key] = next((p[k] for k in (key, f"{key}.name", f"{key}.backend") if k in p), "")
     row["capture_ids"] = p.get("resolved.capture_ids_vllm", "")
-    for stage in stages:
-        if stage.columns is not None:
-            prefix = f"{stage.name}/"
-            mine = {k[len(prefix) :]: v for k, v in m.items() if k.startswith(prefix)}
-            for other in stage.also_reads:
-                name = other.rstrip("/") + "_"
-                mine.update(
-                    {name + k[len(other) :]: v for k, v in m.items() if k.startswith(other)}
-                )
-            row.update(stage.columns(mine))
-    names = [s.name for s in stages]
+    row.update(json.loads(t.get(COLUMNS_TAG, "{}")))
+    # Stage names are read from the job's own tags (stage.<name> = computed | cached).
+    names = [k.split(".", 1)[1] for k in t if k.startswith("stage.")]
     row["computed"] = ",".join(s for s in names if t.get(f"stage.{s}") == "computed")
     row["job_s"] = sum(m.get(f"time/{s}_s", 0.0) for s in names)
     row["alone_s"] = sum(m.get(f"time/{s}_compute_cost_s", 0.0) for s in names)
     return row
+
+
+def declared(rows_tags: list[dict[str, str]]) -> tuple[str | None, list[str], list[str]]:
+    """(the objective's column, the columns to plot in order, the settings that make a plot's
+    series), as the jobs' stages declared them (tags `comparison.objective`, `.plotted`,
+    `.series`)."""
+    objective = next((t[OBJECTIVE_TAG] for t in rows_tags if t.get(OBJECTIVE_TAG)), None)
+    plotted: list[str] = []
+    series: list[str] = []
+    for t in rows_tags:
+        plotted += [x for x in json.loads(t.get(PLOTTED_TAG, "[]")) if x not in plotted]
+        series += [x for x in json.loads(t.get(SERIES_TAG, "[]")) if x not in series]
+    return objective, plotted, series
 
 
 def swept_keys(parent_tags: dict[str, str]) -> list[str]:
@@ -227,8 +249,14 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 
 
 def log_comparison(
-    client: Any, parent_id: str, rows: list[dict[str, Any]], swept: list[str] | None = None
+    client: Any,
+    parent_id: str,
+    rows: list[dict[str, Any]],
+    swept: list[str] | None = None,
+    declared: tuple[str | None, list[str], list[str]] = (None, [], []),
 ) -> None:
+    objective, plotted, series = declared
+    metric = next((c for c in plotted if any(r.get(c) is not None for r in rows)), None)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (d / "comparison.json").write_text(json.dumps(rows, indent=1, default=str))
@@ -238,23 +266,26 @@ def log_comparison(
                 w = csv.DictWriter(fh, fieldnames=list(rows[0]))
                 w.writeheader()
                 w.writerows(rows)
-            _plot(rows, d / "acceptance.png", swept or [])
+            if metric is not None:
+                _plot(rows, d / "comparison.png", metric, _x_axis(rows, swept or [], series))
         client.log_artifacts(parent_id, str(d))
-    best = [r for r in rows if r.get("acceptance_length") is not None]
+    best = [r for r in rows if objective and r.get(objective) is not None]
     if best:
-        top = max(best, key=lambda r: r["acceptance_length"])
-        client.log_metric(parent_id, "best_acceptance_length", top["acceptance_length"])
+        top = max(best, key=lambda r: r[objective])
+        client.log_metric(parent_id, f"best_{objective}", top[objective])
         client.set_tag(parent_id, "best_run", top["run_id"])
     client.log_metric(parent_id, "jobs", len(rows))
     client.log_metric(parent_id, "sweep_time_s", sum(r["job_s"] for r in rows))
     client.log_metric(parent_id, "alone_time_s", sum(r["alone_s"] for r in rows))
 
 
-def _x_axis(rows: list[dict[str, Any]], swept: list[str]) -> tuple[str, str, str | None]:
+def _x_axis(
+    rows: list[dict[str, Any]], swept: list[str], series_keys: list[str]
+) -> tuple[str, str, str | None]:
     """(x column, its label, series column): the swept setting, capture layers shown as their
     ids; a second swept setting (the draft vocab size first) makes the series."""
     keys = [k for k in swept if k in rows[0]]
-    series = next((k for k in keys if k == "train.draft_vocab_size"), None)
+    series = next((k for k in keys if k in series_keys), None)
     others = [k for k in keys if k != series]
     if not others:
         if series is not None:
@@ -268,18 +299,15 @@ def _x_axis(rows: list[dict[str, Any]], swept: list[str]) -> tuple[str, str, str
     return x, x, series
 
 
-def _plot(rows: list[dict[str, Any]], path: Path, swept: list[str]) -> None:
+def _plot(
+    rows: list[dict[str, Any]], path: Path, metric: str, axis: tuple[str, str, str | None]
+) -> None:
     import matplotlib  # a second to import; only the end of a sweep plots
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metric = (
-        "acceptance_length"
-        if any(r.get("acceptance_length") is not None for r in rows)
-        else "val_loss"
-    )
-    x_key, x_label, series_key = _x_axis(rows, swept)
+    x_key, x_label, series_key = axis
     xs = list(dict.fromkeys(r[x_key] for r in rows))
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:

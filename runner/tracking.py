@@ -25,6 +25,7 @@ from typing import Any
 from filelock import FileLock
 
 from runner.errors import ConfigError
+from runner.layout import RunLayout
 from runner.schema import TrackingConfig
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def tracking_uri(configured: str | None, output_root: Path) -> str:
         return configured
     if _USER_URI:
         return _USER_URI
-    return f"sqlite:///{(output_root / 'mlflow.db').resolve()}"
+    return f"sqlite:///{RunLayout(output_root).mlflow_db.resolve()}"
 
 
 def process_start(pid: int) -> str:
@@ -254,6 +255,10 @@ class Tracker:
         client = self.mlflow.MlflowClient(self.uri)
         for i in range(0, len(batch), 1000):
             client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+
+    def metrics(self) -> dict[str, float]:
+        """The run's metrics as MLflow holds them now (the latest value of each)."""
+        return dict(self.mlflow.MlflowClient(self.uri).get_run(self.run_id).data.metrics)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         self.mlflow.set_tags({k: str(v)[:5000] for k, v in tags.items()})

@@ -26,14 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from runner.assets import load_prompt_sets
-from runner.checks import target_context
 from runner.errors import StageError
 from runner.integrations.speculators import resolve_train_config
-from runner.preflight import Plan
 from runner.schema import RunnerConfig, prompt_set_name
-from runner.stage import PlanView, Stage, StageContext
+from runner.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.store import damage
-from runner.target_facts import ModelFacts
+from runner.target_facts import ModelFacts, target_context
 from runner.versions import VLLM_DISTS
 from runner.vllm_server import (
     ExistingServer,
@@ -347,22 +345,41 @@ def _set_names(cfg: RunnerConfig) -> list[str]:
     return [prompt_set_name(p) for p in cfg.eval.prompts]
 
 
-def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:
-    acc = metrics.get("acceptance_length")
-    if acc is None:
-        return []
-    k = cfg.eval.num_speculative_tokens
-    same = metrics.get("identical_to_target_fraction")
-    lines = []
+def results(metrics: Mapping[str, Any], cfg: RunnerConfig) -> list[dict[str, Any]]:
+    """One row per prompt set: what a published card and a report show. The first set's metrics
+    carry no prefix (it is the run's objective), the others "<set>/"."""
+    rows = []
     for i, name in enumerate(_set_names(cfg)):
         pre = "" if i == 0 else f"{name}/"
         if f"{pre}acceptance_length" not in metrics:
             continue
-        per_pos = " / ".join(f"{v:.3f}" for _, v in _positions(metrics, pre))
-        speed = metrics.get(f"{pre}speedup")
+        rows.append(
+            {
+                "set": name,
+                "prompts": metrics.get(f"{pre}prompts"),
+                "k": cfg.eval.num_speculative_tokens,
+                "acceptance_length": metrics[f"{pre}acceptance_length"],
+                "per_position": [v for _, v in _positions(metrics, pre)],
+                "speedup": metrics.get(f"{pre}speedup"),
+                "random_acceptance_length": (
+                    metrics.get("random_acceptance_length") if i == 0 else None
+                ),
+            }
+        )
+    return rows
+
+
+def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:
+    if metrics.get("acceptance_length") is None:
+        return []
+    same = metrics.get("identical_to_target_fraction")
+    lines = []
+    for row in results(metrics, cfg):
+        per_pos = " / ".join(f"{v:.3f}" for v in row["per_position"])
+        speed = row["speedup"]
         lines.append(
-            f"acceptance length {metrics[f'{pre}acceptance_length']:.3f} on {name} (k={k}, "
-            f"per position {per_pos}, {metrics.get(f'{pre}prompts')} prompts"
+            f"acceptance length {row['acceptance_length']:.3f} on {row['set']} (k={row['k']}, "
+            f"per position {per_pos}, {row['prompts']} prompts"
             + (f", speed {speed:.2f}x the target alone)" if speed is not None else ")")
         )
     extra = []
@@ -504,8 +521,12 @@ STAGE = Stage(
     columns=columns,
     tables=tables,
     figures=figures,
-    vllm_features=lambda cfg: ("eagle3",),
+    server=lambda cfg: ServerNeed(
+        DRAFT, cfg.eval.max_model_len, "eval.max_model_len", k=cfg.eval.num_speculative_tokens
+    ),
     reads=lambda cfg: () if cfg.eval.draft else ("train",),
     objective="acceptance_length",
+    plotted="acceptance_length",
+    results=results,
     plan=plan,
 )

@@ -40,11 +40,11 @@ from runner.conversations import (
     read_conversations,
 )
 from runner.errors import ConfigError
+from runner.layout import RunLayout
 from runner.mixing import Source, about, interleave, key_of, sources
-from runner.preflight import Plan
 from runner.schema import RunnerConfig
-from runner.stage import PlanView, Stage, StageContext
-from runner.target_facts import ModelFacts
+from runner.stage import Plan, PlanView, Stage, StageContext
+from runner.target_facts import ModelFacts, Target, target_context
 
 log = logging.getLogger("runner")
 
@@ -57,7 +57,7 @@ def template_kwargs(cfg: RunnerConfig) -> dict[str, Any]:
 
 
 def cache_dir(cfg: RunnerConfig) -> Path:
-    return Path(cfg.run.output_root).expanduser().resolve() / "cache"
+    return RunLayout.at(cfg.run.output_root).cache
 
 
 def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
@@ -478,6 +478,17 @@ def _plan_source(p: Plan, src: Source, cache: Path) -> None:
         )
 
 
+def check_target(cfg: RunnerConfig, target: Target) -> None:
+    """A row must fit the target's context."""
+    context = cfg.model.max_context or target_context(target.config)
+    if context and cfg.data.max_seq_len > context:
+        raise ConfigError(
+            "data.max_seq_len",
+            f"{cfg.data.max_seq_len} exceeds the target's context of {context} tokens (config.json "
+            "max_position_embeddings; model.max_context overrides it)",
+        )
+
+
 def summary(metrics: dict[str, Any], path: Path, _cfg: RunnerConfig) -> list[str]:
     dropped = {k: v for k, v in (metrics.get("dropped") or {}).items() if v}
     what = ", ".join(f"{k} {v}" for k, v in dropped.items()) or "none"
@@ -503,5 +514,6 @@ STAGE = Stage(
     identities=("tokenizer_id",),
     logged={"sample.txt": "prepare"},
     plan=plan,
+    check_target=check_target,
     summary=summary,
 )

@@ -43,9 +43,8 @@ from typing import Any
 from runner.conversations import read_conversations
 from runner.errors import StageError
 from runner.mixing import about, sources
-from runner.preflight import Plan
 from runner.schema import RunnerConfig
-from runner.stage import PlanView, Stage, StageContext
+from runner.stage import GENERATE, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.target_facts import ModelFacts
 from runner.versions import VLLM_DISTS
 from stages.prepare import key_config as prepare_key
@@ -506,7 +505,11 @@ STAGE = Stage(
     identities=("tokenizer_id", "weights_id"),
     plan=plan,
     summary=summary,
-    vllm_features=lambda cfg: ("generate",) if cfg.regenerate.backend == "vllm" else (),
+    server=lambda cfg: (
+        ServerNeed(GENERATE, cfg.data.max_seq_len, "data.max_seq_len")
+        if cfg.regenerate.backend == "vllm"
+        else None
+    ),
     resumable=True,
     enabled=enabled,
 )

@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from runner.errors import ConfigError
 from runner.schema import RunnerConfig
 from runner.stage import Stage, StageContext
-from runner.target_facts import ModelFacts
+from runner.target_facts import ModelFacts, Target
 
 
 def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
@@ -62,6 +63,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return coverage
 
 
+def check_target(cfg: RunnerConfig, target: Target) -> None:
+    size, vocab = cfg.train.draft_vocab_size, target.facts.vocab_size
+    if size > vocab:
+        raise ConfigError(
+            "train.draft_vocab_size", f"{size} is larger than the target's vocab ({vocab})"
+        )
+
+
 def summary(metrics: dict[str, Any], _path: Path, _cfg: RunnerConfig) -> list[str]:
     if "coverage" not in metrics:  # an artifact made elsewhere (e.g. a benchmark's)
         return []
@@ -86,4 +95,7 @@ STAGE = Stage(
     logged={"d2t.npy": "vocab", "t2d.npy": "vocab", "coverage.json": "vocab"},
     summary=summary,
     columns=columns,
+    check_target=check_target,
+    # A sweep over the draft vocab draws one line per size.
+    series=("train.draft_vocab_size",),
 )

@@ -22,6 +22,9 @@ from hydra.core.global_hydra import GlobalHydra
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import runner.__main__  # noqa: F401  (registers the schema as base_config)
+from runner import job
+from runner.stage import Stage
+from stages import REGISTRY
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -32,6 +35,12 @@ def compose(overrides: list[str] | None = None):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides or [])
+
+
+def run_job(node, stages: tuple[Stage, ...] = REGISTRY) -> job.JobResult:
+    """What `python -m runner` does for one job: the engine with the stages injected (the
+    registry, unless a test hands it others)."""
+    return job.run_job(node, stages=stages)
 
 
 def runner_env() -> dict[str, str]:

@@ -8,6 +8,7 @@ from runner.checks import check_aux_layers, check_config
 from runner.errors import ConfigError
 from runner.layer_ids import default_aux_layers
 from runner.schema import RunnerConfig, typed
+from stages import REGISTRY
 from tests.conftest import CONF, compose
 
 
@@ -15,7 +16,7 @@ def check_declared(node) -> RunnerConfig:
     """What `python -m runner` checks before it reads any file: typed conversion (unknown keys
     included) and every check of the config alone."""
     cfg = typed(node)
-    check_config(cfg)
+    check_config(cfg, tuple(s.name for s in REGISTRY))
     return cfg
 
 

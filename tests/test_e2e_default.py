@@ -11,9 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runner.job import run_job
 from runner.schema import typed
-from tests.conftest import compose
+from tests.conftest import compose, run_job
 
 pytestmark = pytest.mark.e2e
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from runner.errors import StageError
-from runner.job import run_job
 from tests.conftest import (
     CONVERSATIONS,
     REPO,
     compose,
+    run_job,
     run_runner,
     run_until,
     runner_env,

@@ -21,9 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from runner.errors import ConfigError, StageError
-from runner.job import run_job
 from runner.miniatures import KIMI_SPECIAL, ensure
-from tests.conftest import compose
+from tests.conftest import compose, run_job
 
 MINI = ["model=kimi_k25_mini", "data.num_samples=40", "train.epochs=1"]
 UP_TO_TRAIN = "run.stages=[prepare,extract,vocab,train]"

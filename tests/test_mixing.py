@@ -9,9 +9,8 @@ import json
 import pytest
 
 from runner.errors import ConfigError
-from runner.job import run_job
 from runner.mixing import apportion
-from tests.conftest import compose, tiny_overrides
+from tests.conftest import compose, run_job, tiny_overrides
 
 
 def _mixed(model_dir, chats, root, *entries: str, samples: int, extra=()) -> list[str]:

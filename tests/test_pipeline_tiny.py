@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runner.job import run_job
-from tests.conftest import compose, tiny_overrides
+from tests.conftest import compose, run_job, tiny_overrides
 
 CAPTURE = "model.capture_layers=[0,2,3]"
 

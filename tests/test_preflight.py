@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import ConfigError
-from runner.job import run_job
-from tests.conftest import compose
+from tests.conftest import compose, run_job
 
 KIMI = str(Path(__file__).parent / "data" / "kimi_k25")
 # 100 rows x 512 tokens of Kimi hidden states plan 2.7 GiB: the plan's disk check must not depend

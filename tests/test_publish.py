@@ -9,9 +9,8 @@ import stat
 
 import pytest
 
-from runner.job import run_job
 from runner.publish import main as publish
-from tests.conftest import compose, tiny_overrides
+from tests.conftest import compose, run_job, tiny_overrides
 
 
 @pytest.fixture(scope="module")

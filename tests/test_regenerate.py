@@ -11,8 +11,7 @@ import pytest
 
 from runner.errors import StageError
 from runner.interrupts import Interrupted
-from runner.job import run_job
-from tests.conftest import compose, tiny_overrides
+from tests.conftest import compose, run_job, tiny_overrides
 
 # Sampled: the random tiny target's greedy answer is one whitespace token repeated, which the
 # stage counts as failed (an empty answer).

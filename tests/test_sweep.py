@@ -69,7 +69,7 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     # Exactly one job computed the extraction; the others reused it.
     assert sum("extract" in r["computed"].split(",") for r in rows) == 1
     arts = {a.path for a in client.list_artifacts(parent)}
-    assert {"comparison.csv", "comparison.md", "comparison.json", "acceptance.png"} <= arts
+    assert {"comparison.csv", "comparison.md", "comparison.json", "comparison.png"} <= arts
     assert "sweep time" in stdout
     # Child runs are named after their overrides, so chart legends tell them apart; the end
     # of the sweep names the parent run and how to browse it.

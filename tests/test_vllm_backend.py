@@ -33,8 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from runner.errors import StageError
-from runner.job import run_job
-from tests.conftest import REPO, compose
+from tests.conftest import REPO, compose, run_job
 
 pytestmark = pytest.mark.vllm
 
@@ -427,7 +426,7 @@ def test_online_training_stores_nothing_and_accepts_like_offline(runs, online_ru
     assert "extract_hidden_states" in " ".join(served["server_args"])
     train = online_run.results["train"]
     manifest = json.loads((train.path / "manifest.json").read_text())
-    assert "--vllm-endpoint" in manifest["speculators_argv"]
+    assert "vllm_endpoint" in manifest["speculators_settings"]
     assert manifest["served"]["probe_shape"][1] == 4
     # speculators deletes each fetched file once loaded: nothing piles up while training.
     assert not list((root / "scratch").glob("train-*/online_states/*.safetensors"))

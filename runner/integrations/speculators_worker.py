@@ -1,11 +1,13 @@
 """One training rank under torchrun: `torchrun --nproc_per_node N -m
-runner.integrations.speculators_worker REQUEST.json`, started by stages/train.py.
+runner.integrations.speculators_worker REQUEST.json`, started by stages/train.py through
+runner/launch.py.
 
-REQUEST.json holds {"argv": speculators train flags, "slots": [...], "work": folder}. Each rank
-runs speculators' trainer through `runner.integrations.speculators.run_training` (CPU and gloo
-adapters, stop at a step boundary with a resumable checkpoint); rank 0 writes the metric records
-and outcome.json into the work folder, which the runner reads after torchrun exits. A stop exits
-0 (the outcome says "stopped"); anything else propagates and torchrun reports it.
+REQUEST.json holds {"settings": speculators' train settings ({field: value}), "slots": [...],
+"work": folder, "device": cpu|cuda}. Each rank runs speculators' trainer through
+`runner.integrations.speculators.run_training` (CPU and gloo adapters, stop at a step boundary
+with a resumable checkpoint); rank 0 writes the metric records and outcome.json into the work
+folder, which the runner reads after torchrun exits. A stop exits 0 (the outcome says
+"stopped"); anything else propagates and torchrun reports it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def main(request_file: str) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     request = json.loads(Path(request_file).read_text())
     run_training(
-        list(request["argv"]),
+        dict(request["settings"]),
         tuple(request["slots"]),
         Path(request["work"]),
         device=request.get("device"),

@@ -28,7 +28,7 @@ from runner.schema import RunnerConfig
 from runner.stage import StageContext
 from runner.target_facts import ModelFacts
 from runner.target_layout import decoder_layers, get_module, layout_from_model
-from stages.extract import LayerStats, write_sample
+from stages.extract.samples import LayerStats, write_sample
 
 log = logging.getLogger("runner")
 

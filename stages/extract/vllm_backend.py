@@ -42,7 +42,8 @@ from runner.stage import StageContext
 from runner.store import fmt_bytes
 from runner.target_facts import ModelFacts
 from runner.vllm_server import ExistingServer, VllmServer, engine_args, quiet_http_logs, serve
-from stages.extract import LayerStats, final_slot, write_sample
+from stages.extract import final_slot
+from stages.extract.samples import LayerStats, write_sample
 
 log = logging.getLogger("runner")
 CPU_CONNECTOR_MODULE = "runner.integrations.vllm_cpu_connector"
