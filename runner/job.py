@@ -217,7 +217,7 @@ def rerun_command() -> str:
 
 
 def _run_name(cfg: RunnerConfig) -> str:
-    name = cfg.run.name or f"{cfg.model.name}-{cfg.data.name}-{cfg.train.name}"
+    name = cfg.run_name()
     # A sweep's jobs are told apart by their overrides (chart legends show run names).
     overrides = sweep_job_tags().get("sweep.overrides") if os.environ.get(PARENT_ENV) else None
     return f"{name} [{overrides}]" if overrides else name

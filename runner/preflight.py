@@ -20,14 +20,13 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 
 from runner import endpoint
-from runner.integrations.vllm import vllm_eagle3_support
+from runner.integrations.vllm import MIN_VLLM, MIN_VLLM_DEFAULT, known_limits, vllm_eagle3_support
 from runner.layer_ids import to_output_of
 from runner.layout import RunLayout
 from runner.schema import RunnerConfig
 from runner.stage import DRAFT, EXTRACTION, GENERATE, Plan, PlanView, ServerNeed, Stage
 from runner.store import ArtifactStore, fmt_bytes
 from runner.target_facts import Target, weight_bytes
-from runner.target_layout import MIN_VLLM, MIN_VLLM_DEFAULT
 from runner.tracking import check_store, tracking_uri
 from runner.versions import ABSENT, VLLM_DISTS, lib_version, version_tuple
 
@@ -152,12 +151,6 @@ def _engine_lines(
         plan.add("vLLM class", f"{support['cls']}: SupportsEagle3")
 
 
-# Text backbones whose vLLM model (deepseek_v2.py, which Kimi-K2.5 wraps) adds the residual to
-# a captured state unconditionally: capturing id 0 (before any layer, no residual yet) crashes the
-# engine with "unsupported operand type(s) for +: 'Tensor' and 'NoneType'" (vLLM 0.32.0).
-_NO_ID0_BACKBONES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-
-
 def _engine_limits(
     plan: Plan, cfg: RunnerConfig, target: Target, needs: dict[str, ServerNeed]
 ) -> None:
@@ -166,23 +159,10 @@ def _engine_limits(
     if not needs:
         return
     text = target.config.get("text_config") or target.config
-    if 0 in target.facts.extract_ids and text.get("model_type") in _NO_ID0_BACKBONES:
-        plan.error(
-            "model.capture_layers",
-            f"vLLM's {text.get('model_type')} backbone cannot capture id 0 (the embeddings, before "
-            "any layer): it adds a residual that does not exist yet and the engine dies; capture "
-            "from id 1",
-        )
-    mla = bool(text.get("kv_lora_rank"))
     drafts = [name for name, need in needs.items() if need.kind == DRAFT]
-    if mla and drafts and cfg.hardware.device == "cpu" and not cfg.hardware.vllm.endpoint:
-        plan.error(
-            "run.stages",
-            f"{', '.join(drafts)} serves an EAGLE-3 draft on this MLA target, which vLLM's CPU "
-            "build cannot: the MLA KV cache takes block size 16, the draft's attention a multiple "
-            "of 32 ('No common block size', vLLM 0.32). Evaluate on a GPU (hardware=gpu1, or "
-            "hardware.vllm.endpoint) or leave it out: run.stages=[prepare,extract,vocab,train]",
-        )
+    on_cpu = cfg.hardware.device == "cpu" and not cfg.hardware.vllm.endpoint
+    for key, message in known_limits(text, target.facts.extract_ids, drafts, on_cpu):
+        plan.error(key, message)
 
 
 def _probe_tokens(cfg: RunnerConfig, target: Target) -> list[int] | None:

@@ -86,7 +86,7 @@ def model_card(
     """README.md for the published folder, from the run's params, its results rows and the
     draft's own config; `local` is the command that serves this folder on the machine that
     evaluated it."""
-    p, m = run.data.params, run.data.metrics
+    p = run.data.params
     ours = draft_config.get("eagle3_runner", {})
     base = ours.get("target_hub_id") or ours.get("target_local_path") or p.get("model.source")
     k = int(p.get("eval.num_speculative_tokens", "3"))
@@ -94,8 +94,9 @@ def model_card(
     serve = shlex.join(["vllm", "serve", str(base), "--speculative-config", json.dumps(spec)])
     if p.get("model.trust_remote_code") == "True":
         serve += " --trust-remote-code"
+    found = results if results is not None else run_results(run)
     rows = []
-    for r in results if results is not None else run_results(run):
+    for r in found:
         if "acceptance_length" not in r:
             continue
         per_pos = " / ".join(f"{v:.3f}" for v in r.get("per_position", []))
@@ -116,7 +117,8 @@ def model_card(
     )
     aux = draft_config.get("eagle_aux_hidden_state_layer_ids")
     vocab = f"{draft_config.get('draft_vocab_size')} of {p.get('resolved.vocab_size')}"
-    rows = f"{int(m.get('prepare/rows', 0))} rows of up to {p.get('data.max_seq_len')} tokens"
+    kept = next((r["rows"] for r in found if "rows" in r), 0)
+    rows = f"{int(kept or 0)} rows of up to {p.get('data.max_seq_len')} tokens"
     recipe = (
         f"{p.get('train.epochs')} epoch(s), lr {p.get('train.lr')}, "
         f"{p.get('train.optimizer')}, {p.get('train.ttt_steps')} TTT steps"

@@ -728,6 +728,10 @@ class RunnerConfig:
                 "(train.num_gpus / hardware.num_gpus); use it with 2 or more GPUs",
             )
 
+    def run_name(self) -> str:
+        """run.name, else <model>-<data>-<train> (the options that make the recipe)."""
+        return self.run.name or f"{self.model.name}-{self.data.name}-{self.train.name}"
+
     def train_ranks(self) -> int:
         """How many processes train: GPUs on a GPU machine, `cpu_processes` without one."""
         if self.hardware.device == "cpu":

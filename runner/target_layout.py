@@ -35,11 +35,6 @@ WRAPPER_PREFIXES: dict[str, tuple[str, str]] = {
 # Text model_types that transformers knows under another name (read fields, don't branch on them).
 TEXT_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}
 
-# Minimum vLLM for EAGLE-3 serving and hidden-state extraction of a given architecture
-# (Kimi-K2.5's wrapper gained SupportsEagle3 in vLLM 0.18).
-MIN_VLLM = {"KimiK25ForConditionalGeneration": "0.18.0"}
-MIN_VLLM_DEFAULT = "0.10.0"
-
 
 @dataclass(frozen=True)
 class TargetLayout:

@@ -515,5 +515,7 @@ STAGE = Stage(
     logged={"sample.txt": "prepare"},
     plan=plan,
     check_target=check_target,
+    # The data a published card names: the rows kept.
+    results=lambda metrics, cfg: [{"rows": metrics.get("rows")}],
     summary=summary,
 )

@@ -9,9 +9,11 @@ import math
 import mlflow
 import pytest
 
+from runner.job_tags import COLUMNS_TAG
 from runner.sweep import comparison_rows, render_table
 from runner.vllm_server import counters_delta
 from stages.evaluate import acceptance, teacher_forced
+from stages.evaluate import columns as evaluate_columns
 
 
 def test_counter_deltas_count_only_these_prompts():
@@ -78,6 +80,10 @@ def test_sweep_table_has_a_column_per_position_for_every_k(tmp_path):
         for i in range(k):
             client.log_metric(run_id, f"evaluate/acceptance_pos_{i}", 0.5 / (i + 1))
         client.log_metric(run_id, "time/evaluate_s", 10.0)
+        # What the job records from the evaluate stage's declared columns.
+        metrics = {"acceptance_length": 1.5 + job}
+        metrics.update({f"acceptance_pos_{i}": 0.5 / (i + 1) for i in range(k)})
+        client.set_tag(run_id, COLUMNS_TAG, json.dumps(evaluate_columns(metrics)))
         client.set_terminated(run_id)
     rows = comparison_rows(client, parent.info.run_id)
     positions = [c for c in rows[0] if c.startswith("acc_pos_")]

@@ -1,5 +1,8 @@
-"""Adapter to vLLM internals (checked against vLLM 0.32.0): does the installed vLLM's class for a
-target architecture implement SupportsEagle3, and does it have hidden-state extraction?
+"""What vLLM can do, in one place: a table of what each vLLM version can do for an architecture
+(found by running targets and the Kimi-K2.5 miniature through it), and an adapter to vLLM
+internals (checked against vLLM 0.32.0): does the installed vLLM's class for a target
+architecture implement SupportsEagle3, and does it have hidden-state extraction? The plan
+(runner/preflight.py) asks both before anything loads.
 
 Private APIs touched (in a child process, see `_PROBE`):
 - `vllm.model_executor.models.ModelRegistry._try_load_model_cls(arch)`: the class without weights.
@@ -16,6 +19,47 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+# Minimum vLLM for EAGLE-3 serving and hidden-state extraction of a given architecture
+# (Kimi-K2.5's wrapper gained SupportsEagle3 in vLLM 0.18).
+MIN_VLLM = {"KimiK25ForConditionalGeneration": "0.18.0"}
+MIN_VLLM_DEFAULT = "0.10.0"
+# Text backbones whose vLLM model (deepseek_v2.py, which Kimi-K2.5 wraps) adds the residual to
+# a captured state unconditionally: capturing id 0 (before any layer, no residual yet) crashes the
+# engine with "unsupported operand type(s) for +: 'Tensor' and 'NoneType'" (vLLM 0.32.0).
+NO_ID0_BACKBONES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+def known_limits(
+    text_config: dict[str, Any], capture_ids: tuple[int, ...], drafts: list[str], on_cpu: bool
+) -> list[tuple[str, str]]:
+    """(key, message) for what the installed vLLM cannot do with this target (the table above
+    and the MLA block-size limit of the CPU build), for a run that captures `capture_ids` and
+    whose stages `drafts` serve an EAGLE-3 draft, on this machine's CPU when `on_cpu`."""
+    found = []
+    backbone = text_config.get("model_type")
+    if 0 in capture_ids and backbone in NO_ID0_BACKBONES:
+        found.append(
+            (
+                "model.capture_layers",
+                f"vLLM's {backbone} backbone cannot capture id 0 (the embeddings, before any "
+                "layer): it adds a residual that does not exist yet and the engine dies; capture "
+                "from id 1",
+            )
+        )
+    if text_config.get("kv_lora_rank") and drafts and on_cpu:
+        found.append(
+            (
+                "run.stages",
+                f"{', '.join(drafts)} serves an EAGLE-3 draft on this MLA target, which vLLM's "
+                "CPU build cannot: the MLA KV cache takes block size 16, the draft's attention a "
+                "multiple of 32 ('No common block size', vLLM 0.32). Evaluate on a GPU "
+                "(hardware=gpu1, or hardware.vllm.endpoint) or leave it out: "
+                "run.stages=[prepare,extract,vocab,train]",
+            )
+        )
+    return found
+
 
 _PROBE = """
 import importlib.util, inspect, json, sys
