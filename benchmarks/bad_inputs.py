@@ -98,7 +98,7 @@ def cases(files: dict[str, Path]) -> list[tuple[str, list[str]]]:
         ("eval context above the target's", [*plan, "eval.max_model_len=16384"]),
         ("final layer listed", [*plan, "model.capture_layers=[2,15,30]"]),
         ("layers out of order", [*plan, "model.capture_layers=[15,2,27]"]),
-        ("draft vocab above target vocab", [*plan, "train.draft_vocab_size=60000"]),
+        ("draft vocab above target vocab", [*plan, "vocab.draft_vocab_size=60000"]),
         ("unknown loss", [*plan, "train.loss_fn=bogus"]),
         ("unknown speculators flag", [*plan, "+train.extra_args.foo_bar=1"]),
         ("speculators flag of wrong type", [*plan, "+train.extra_args.weight_decay=abc"]),

@@ -81,7 +81,7 @@ def overrides(root: Path, shape: str, extra: list[str]) -> list[str]:
         f"data.source={root / 'rows.jsonl'}",
         f"data.max_seq_len={min(2048, s['seq'])}",
         *(["hardware=gpu1", "train=eagle3_gpu"] if on_gpu else ["train.num_workers=0"]),
-        f"train.draft_vocab_size={s['draft_vocab']}",
+        f"vocab.draft_vocab_size={s['draft_vocab']}",
         f"train.total_seq_len={s['seq']}",
         "train.epochs=1",
         "train.log_freq=1",

@@ -7,7 +7,7 @@ summary with the `mlflow ui` command that shows the run. This module is the comp
 it builds the stage registry (stages/__init__.py) and hands it to the engine, which imports no
 stage itself. Examples:
     python -m runner                                   # embedded default, CPU, no network
-    python -m runner train.draft_vocab_size=16384      # re-runs vocab, train, evaluate only
+    python -m runner vocab.draft_vocab_size=16384      # re-runs vocab, train, evaluate only
     python -m runner run.stages=[prepare,extract]      # e.g. on the GPU box
     python -m runner --cfg job                         # print the composed config
 Exit status: 0 done, 1 a stage failed (or a sweep job did), 2 a config error (including one

@@ -32,7 +32,7 @@ def trainable_params(cfg: RunnerConfig, target: Target) -> int:
 def draft_params(cfg: RunnerConfig, target: Target) -> int:
     """Parameters of the draft checkpoint: the trained ones plus its LM head over the draft
     vocab (copied from the target's, frozen)."""
-    return trainable_params(cfg, target) + target.layout.hidden_size * cfg.train.draft_vocab_size
+    return trainable_params(cfg, target) + target.layout.hidden_size * cfg.vocab.draft_vocab_size
 
 
 # Bytes per trained parameter beyond the fp32 weight and gradient: optimizer states.
@@ -55,7 +55,7 @@ def memory_estimate(cfg: RunnerConfig, target: Target) -> dict[str, float]:
     Measured on H200 at the Kimi-K2.5 shape (docs/benchmarks.md): 1 GPU 35.7 GiB allocated at
     peak against 32.0 estimated, 2 GPUs (DDP) 41.4 against 35.4."""
     t, layout = cfg.train, target.layout
-    h, vd, ranks = layout.hidden_size, t.draft_vocab_size, cfg.train_ranks()
+    h, vd, ranks = layout.hidden_size, cfg.vocab.draft_vocab_size, cfg.train_ranks()
     seq = t.total_seq_len or cfg.data.max_seq_len
     shard = ranks if t.fsdp else 1
     trained = trainable_params(cfg, target)

@@ -1,6 +1,6 @@
 """Errors the runner reports to users: each names the config key (or file) to change.
 
-Raise `ConfigError("train.draft_vocab_size", "is 60000, above the target's vocab 49152")`;
+Raise `ConfigError("vocab.draft_vocab_size", "is 60000, above the target's vocab 49152")`;
 the entry point prints it without a traceback and exits with status 2.
 """
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -462,7 +463,9 @@ class ExtractConfig:
 @dataclass
 class TrainConfig:
     name: str = MISSING
-    draft_vocab_size: int = 8192
+    # Deprecated: the draft vocabulary is the vocab stage's, `vocab.draft_vocab_size`. Still
+    # read (with a warning) so that old command lines and sweep files keep working.
+    draft_vocab_size: int | None = None
     num_layers: int = 1
     ttt_steps: int = 3
     epochs: int = 1
@@ -513,7 +516,7 @@ class TrainConfig:
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        for key in ("draft_vocab_size", "num_layers", "ttt_steps", "epochs", "log_freq"):
+        for key in ("num_layers", "ttt_steps", "epochs", "log_freq"):
             _at_least(f"train.{key}", getattr(self, key), 1)
         if self.max_steps is not None:
             _at_least("train.max_steps", self.max_steps, 1)
@@ -761,6 +764,10 @@ def schema_for(stages: Iterable[Any]) -> type[RunnerConfig]:
     return _schema(extra)
 
 
+# The schema `register` made Hydra's base (the composition root registers the registry's).
+_REGISTERED: list[type[RunnerConfig]] = [RunnerConfig]
+
+
 @functools.cache
 def _schema(extra: tuple[tuple[str, type], ...]) -> type[RunnerConfig]:
     if not extra:
@@ -776,10 +783,11 @@ def register(stages: Iterable[Any]) -> type[RunnerConfig]:
 
     schema = schema_for(stages)
     ConfigStore.instance().store(name="base_config", node=schema)
+    _REGISTERED[0] = schema
     return schema
 
 
-def check_known_keys(node: DictConfig, schema: type[RunnerConfig] = RunnerConfig) -> None:
+def check_known_keys(node: DictConfig, schema: type[RunnerConfig] | None = None) -> None:
     """Reject keys the schema does not know, including ones added with Hydra's `+key=value`
     (which bypasses the schema's struct mode). Free-form dicts (env, extra args) are exempt."""
 
@@ -802,16 +810,38 @@ def check_known_keys(node: DictConfig, schema: type[RunnerConfig] = RunnerConfig
             ):
                 walk(sub[key], child, full + ".")
 
-    walk(node, OmegaConf.structured(schema), "")
+    walk(node, OmegaConf.structured(schema or _REGISTERED[0]), "")
 
 
 def typed(
-    node: DictConfig | RunnerConfig, schema: type[RunnerConfig] = RunnerConfig
+    node: DictConfig | RunnerConfig, schema: type[RunnerConfig] | None = None
 ) -> RunnerConfig:
     """The composed config as `schema`'s dataclasses (unknown keys refused first); `schema` is
-    the registry's (`schema_for(stages)`) when stages bring settings of their own."""
+    the registry's (`schema_for(stages)`; default: the one registered) when stages bring
+    settings of their own. Deprecated keys are moved to their new place, with a warning."""
     if isinstance(node, RunnerConfig):
         return node
+    schema = schema or _REGISTERED[0]
+    return _moved(_typed(node, schema))
+
+
+def _moved(cfg: RunnerConfig) -> RunnerConfig:
+    """train.draft_vocab_size -> vocab.draft_vocab_size (the vocab stage owns it)."""
+    old = cfg.train.draft_vocab_size
+    if old is None:
+        return cfg
+    vocab = getattr(cfg, "vocab", None)
+    if vocab is None:
+        raise ConfigError("train.draft_vocab_size", "is deprecated; set vocab.draft_vocab_size")
+    logging.getLogger("runner").warning(
+        "train.draft_vocab_size is deprecated; use vocab.draft_vocab_size (taking %d)", old
+    )
+    vocab.draft_vocab_size = old
+    cfg.train.draft_vocab_size = None
+    return cfg
+
+
+def _typed(node: DictConfig, schema: type[RunnerConfig]) -> RunnerConfig:
     check_known_keys(node, schema)
     node = OmegaConf.masked_copy(node, [k for k in node if k != "hydra"])
     try:

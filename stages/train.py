@@ -80,6 +80,8 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     t = dataclasses.asdict(cfg.train)
     if not t["keep_epoch_drafts"]:
         del t["keep_epoch_drafts"]  # named only when on: keys made before it stay valid
+    # The draft vocab moved to the vocab section; the key reads it where it always stood.
+    t["draft_vocab_size"] = cfg.vocab.draft_vocab_size
     return {
         **{k: v for k, v in t.items() if k not in _NOT_IN_KEY},
         "aux_layers": list(facts.aux_layers),
@@ -298,7 +300,7 @@ def plan(p: Plan, view: PlanView) -> None:
     cfg, layout = view.cfg, view.target.layout
     if view.actions.get("train") == "run":
         _check_with_speculators(p, view)
-    t, h, vd = cfg.train, layout.hidden_size, cfg.train.draft_vocab_size
+    t, h, vd = cfg.train, layout.hidden_size, cfg.vocab.draft_vocab_size
     params = draft_params(cfg, view.target)
     aux = len(view.target.facts.aux_layers)
     p.numbers["draft_params"] = params

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,22 @@ from runner.stage import Stage, StageContext
 from runner.target_facts import ModelFacts, Target
 
 
+@dataclass
+class VocabSettings:
+    """The `vocab` config section (conf/vocab/: default 8k for the CPU default, gpu 32k, which a
+    GPU hardware option selects)."""
+
+    # Draft vocabulary: this many of the target's tokens, the most frequent in assistant turns.
+    draft_vocab_size: int = 8192
+
+    def check(self) -> None:
+        if self.draft_vocab_size < 1:
+            raise ConfigError("vocab.draft_vocab_size", f"{self.draft_vocab_size} must be >= 1")
+
+
 def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     return {
-        "draft_vocab_size": cfg.train.draft_vocab_size,
+        "draft_vocab_size": cfg.vocab.draft_vocab_size,
         "target_vocab_size": facts.vocab_size,
         "tokenizer": facts.tokenizer_id,
     }
@@ -44,7 +58,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     freq_path = ctx.out / "token_freq.pt"
     save_token_frequency_distribution(rows, freq_path)
     freq: dict[int, int] = torch.load(freq_path, weights_only=True)
-    size = ctx.cfg.train.draft_vocab_size
+    size = ctx.cfg.vocab.draft_vocab_size
     d2t, t2d = build_vocab_mappings_from_distribution(freq, size, ctx.facts.vocab_size)
     np.save(ctx.out / "d2t.npy", d2t.numpy())
     np.save(ctx.out / "t2d.npy", t2d.numpy())
@@ -64,10 +78,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 def check_target(cfg: RunnerConfig, target: Target) -> None:
-    size, vocab = cfg.train.draft_vocab_size, target.facts.vocab_size
+    size, vocab = cfg.vocab.draft_vocab_size, target.facts.vocab_size
     if size > vocab:
         raise ConfigError(
-            "train.draft_vocab_size", f"{size} is larger than the target's vocab ({vocab})"
+            "vocab.draft_vocab_size", f"{size} is larger than the target's vocab ({vocab})"
         )
 
 
@@ -97,5 +111,6 @@ STAGE = Stage(
     columns=columns,
     check_target=check_target,
     # A sweep over the draft vocab draws one line per size.
-    series=("train.draft_vocab_size",),
+    series=("vocab.draft_vocab_size", "train.draft_vocab_size"),
+    settings=VocabSettings,
 )

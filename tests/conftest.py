@@ -95,7 +95,7 @@ def tiny_overrides(
         f"data.num_samples={samples}",
         "data.max_seq_len=96",
         "data.min_assistant_tokens=4",
-        *([f"train.draft_vocab_size={vocab}"] if vocab else []),
+        *([f"vocab.draft_vocab_size={vocab}"] if vocab else []),
         f"train.max_steps={steps}",
         "train.epochs=1",
         "train.val_ratio=0.1",

@@ -189,7 +189,15 @@ def test_default_aux_layers_follow_speculators():
 
 
 def test_the_config_reaches_stages_typed():
-    cfg = check_declared(compose(["train.draft_vocab_size=16384"]))
+    cfg = check_declared(compose(["vocab.draft_vocab_size=16384"]))
     assert isinstance(cfg, RunnerConfig)
-    assert cfg.train.draft_vocab_size == 16384 and cfg.hardware.vllm.ready_timeout_s == 600
+    assert cfg.vocab.draft_vocab_size == 16384 and cfg.hardware.vllm.ready_timeout_s == 600
     assert cfg.run.stages == ["all"]
+
+
+def test_the_old_draft_vocab_key_still_works_and_says_where_it_moved(caplog):
+    cfg = check_declared(compose(["train.draft_vocab_size=4096"]))
+    assert cfg.vocab.draft_vocab_size == 4096 and cfg.train.draft_vocab_size is None
+    assert "use vocab.draft_vocab_size" in caplog.text
+    # The GPU hardware options bring the GPU recipe's vocab with its training recipe.
+    assert check_declared(compose(["hardware=gpu1"])).vocab.draft_vocab_size == 32000

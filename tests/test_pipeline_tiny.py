@@ -124,7 +124,7 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(first_run):
     client = mlflow.MlflowClient(result.tracking_uri)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.params["train.draft_vocab_size"] == "512"
+    assert run.data.params["vocab.draft_vocab_size"] == "512"
     assert run.data.params["resolved.capture_ids_vllm"] == "[0, 2, 3, 4]"
     m = run.data.metrics
     assert m["prepare/rows"] > 0 and m["extract/tokens_per_s"] > 0 and m["vocab/coverage"] == 1.0

@@ -68,7 +68,7 @@ def test_kimi_on_blackwell8_plan_from_config_json_alone(tmp_path, capsys):
             ["hardware.tensor_parallel_size=4", "hardware.num_gpus=4"],
             "hardware.tensor_parallel_size",
         ),  # 138 GiB/GPU > 96
-        (["train.draft_vocab_size=200000"], "train.draft_vocab_size"),  # above 163,840
+        (["vocab.draft_vocab_size=200000"], "vocab.draft_vocab_size"),  # above 163,840
         (["data.num_samples=1000000000"], "data.num_samples"),  # hidden states exceed free disk
         (
             ["model.trust_remote_code=false"],
@@ -116,7 +116,7 @@ def test_trust_remote_code_only_when_needed(tmp_path, tiny_model_dir):
         f"model.source={tiny_model_dir}",
         "model.name=tiny",
         "model.capture_layers=[1,2,3]",
-        "train.draft_vocab_size=512",
+        "vocab.draft_vocab_size=512",
         "run.plan_only=true",
         f"run.output_root={tmp_path}",
     ]
@@ -145,7 +145,7 @@ def test_default_speculators_layers_collide_on_a_four_layer_model(tmp_path, tiny
                     "model=hf",
                     f"model.source={tiny_model_dir}",
                     "model.name=tiny",
-                    "train.draft_vocab_size=512",
+                    "vocab.draft_vocab_size=512",
                     "run.plan_only=true",
                     f"run.output_root={tmp_path}",
                 ]
@@ -180,7 +180,7 @@ def test_a_target_class_without_eagle3_support_in_vllm_is_refused(tmp_path, smol
         f"model.source={target}",
         "model.name=g3",
         "model.capture_layers=[1,2,3]",
-        "train.draft_vocab_size=512",
+        "vocab.draft_vocab_size=512",
         "run.plan_only=true",
         f"run.output_root={tmp_path}",
     ]
@@ -226,8 +226,8 @@ def test_a_vllm_without_hidden_state_extraction_is_refused_for_the_vllm_backend(
             "extract.superset_presets",
         ),  # [2, 2, 1] on 4 layers
         (
-            ["model.capture_layers=[1,2,3]", "train.draft_vocab_size=60000"],
-            "train.draft_vocab_size",
+            ["model.capture_layers=[1,2,3]", "vocab.draft_vocab_size=60000"],
+            "vocab.draft_vocab_size",
         ),  # above 49,152
         (["model.capture_layers=[1,2,3]", "model.vocab_size=32000"], "model.vocab_size"),
     ],

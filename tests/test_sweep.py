@@ -59,7 +59,7 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     parent = parents[0].info.run_id
     rows = comparison_rows(client, parent)
     assert len(rows) == 9 and all(r["status"] == "FINISHED" for r in rows)
-    combos = {(r["model.capture_preset"], r["train.draft_vocab_size"]) for r in rows}
+    combos = {(r["model.capture_preset"], r["vocab.draft_vocab_size"]) for r in rows}
     assert combos == {
         (p, v) for p in ("default", "early", "late") for v in ("4096", "8192", "16384")
     }
@@ -78,7 +78,7 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     names = {c.info.run_name for c in children}
     assert len(names) == 9
     assert any(
-        "model.capture_preset=late" in n and "train.draft_vocab_size=4096" in n for n in names
+        "model.capture_preset=late" in n and "vocab.draft_vocab_size=4096" in n for n in names
     )
     assert f"sweep parent run {parent}" in stdout and "mlflow ui --backend-store-uri" in stdout
 
@@ -108,9 +108,9 @@ def test_a_failed_job_is_a_failed_child_and_the_parent_still_closes(
     from runner.sweep import comparison_rows
 
     # 60000 > 49152: that job fails in its checks, the other trains.
-    proc = run_sweep(tiny12_model_dir, chats_jsonl, tmp_path, "train.draft_vocab_size=512,60000")
+    proc = run_sweep(tiny12_model_dir, chats_jsonl, tmp_path, "vocab.draft_vocab_size=512,60000")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "train.draft_vocab_size" in proc.stderr
+    assert "vocab.draft_vocab_size" in proc.stderr
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.get_experiment_by_name("eagle3")
     parent = client.search_runs([exp.experiment_id], filter_string="tags.`sweep.config` != ''")[0]

@@ -37,7 +37,7 @@ def test_speculators_reads_the_runners_settings():
     _, settings = settings_for(
         "train.lr=2e-4",
         "train.epochs=3",
-        "train.draft_vocab_size=4096",
+        "vocab.draft_vocab_size=4096",
         "+train.extra_args.norm_output=false",
         "+train.extra_args.norm_before_fc=true",
     )

@@ -22,7 +22,7 @@ from runner.target_facts import ModelFacts
 # The runner key each speculators setting comes from, so that speculators' own refusal of a
 # value (checked in the plan) names the key to change; `train.extra_args` entries name theirs.
 SETTING_KEYS = {
-    "draft_vocab_size": "train.draft_vocab_size",
+    "draft_vocab_size": "vocab.draft_vocab_size",
     "target_layer_ids": "model.capture_layers",
     "num_layers": "train.num_layers",
     "ttt_steps": "train.ttt_steps",
@@ -77,7 +77,7 @@ def speculators_settings(
         "hidden_states_path": str(hidden_states),
         "d2t_path": str(vocab / "d2t.npy"),
         "t2d_path": str(vocab / "t2d.npy"),
-        "draft_vocab_size": t.draft_vocab_size,
+        "draft_vocab_size": cfg.vocab.draft_vocab_size,
         "target_layer_ids": list(facts.aux_layers),
         "num_layers": t.num_layers,
         "ttt_steps": t.ttt_steps,
