@@ -100,6 +100,9 @@ _KEY_FIXES = (
     ("model.mm_projector.", "mm_projector."),
 )
 VOCAB = 16384
+# Bumped when what `build_kimi_k25` writes changes: a folder built before is built again.
+# 2: the vision tower's settings under the real checkpoint's key names too.
+BUILD_VERSION = "2"
 
 
 def miniature_dir(name: str, output_root: Path) -> Path:
@@ -113,13 +116,18 @@ def ensure(name: str, output_root: Path) -> Path:
     if name not in BUILDERS:
         raise ConfigError("model.source", f"unknown miniature {name!r}; choose from {BUILDERS}")
     dest = miniature_dir(name, output_root)
-    if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
+    stamp = dest / "miniature_version"
+    if stamp.is_file() and stamp.read_text().strip() == BUILD_VERSION:
         return dest
+    if dest.exists():  # built by an earlier version of this module: built again
+        log.info("the %s miniature at %s is from an older build; rebuilding it", name, dest)
+        shutil.rmtree(dest)
     log.info("building the %s miniature at %s (once)", name, dest)
     tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         build_kimi_k25(tmp)
+        (tmp / "miniature_version").write_text(BUILD_VERSION + "\n")
         os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -217,15 +225,29 @@ def build_kimi_k25(out: Path, seed: int = 0) -> Path:
         eos_token_id=special["[EOS]"],
         pad_token_id=special["[PAD]"],
     )
+    # The vision tower at toy size, under both the real checkpoint's key names (the names
+    # vLLM's KimiK25Config and the remote code read: init_pos_emb_*, vt_*, ...; the set is
+    # tests/data/kimi_k25/config.json's) and transformers' (pos_emb_*, hidden_size, ...), with
+    # equal values: every engine reads the miniature as it reads the real model. vLLM 0.26 read
+    # init_pos_emb_height from a miniature that had only transformers' names, defaulted it to
+    # 64 and refused the 8x8 weights.
+    tower = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    grid = dict(height=8, width=8, time=4)
     vision = dict(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
+        **tower,
+        **{f"vt_{k}": v for k, v in tower.items()},
+        **{f"pos_emb_{k}": v for k, v in grid.items()},
+        **{f"init_pos_emb_{k}": v for k, v in grid.items()},
         patch_size=14,
         merge_kernel_size=[2, 2],
-        pos_emb_height=8,
-        pos_emb_width=8,
+        merge_type="sd2_tpool",
+        pos_emb_type="divided_fixed",
+        video_attn_type="spatial_temporal",
+        mm_projector_type="patchmerger",
+        mm_hidden_size=tower["hidden_size"],
+        projector_hidden_act="gelu",
+        projector_ln_eps=1e-5,
+        text_hidden_size=text["hidden_size"],
     )
     config = Kimi_K25Config(
         text_config=text,

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from runner.errors import ConfigError, StageError
 from runner.miniatures import KIMI_SPECIAL, ensure
-from tests.conftest import compose, run_job
+from tests.conftest import REPO, compose, run_job
 
 MINI = ["model=kimi_k25_mini", "data.num_samples=40", "train.epochs=1"]
 UP_TO_TRAIN = "run.stages=[prepare,extract,vocab,train]"
@@ -62,6 +62,18 @@ def test_the_miniature_is_kimi_k25_at_toy_size(mini):
     assert "language_model.model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in keys  # MLA
     assert {"language_model.lm_head.weight", "language_model.model.norm.weight"} <= keys
     assert any(k.startswith("vision_tower.") for k in keys)
+    # The vision tower's settings under the real checkpoint's names (what vLLM reads), with the
+    # values transformers builds the weights from.
+    real = json.loads((REPO / "tests/data/kimi_k25/config.json").read_text())["vision_config"]
+    vision = config["vision_config"]
+    assert set(real) <= set(vision), sorted(set(real) - set(vision))
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        assert vision[f"vt_{name}"] == vision[name]
+    for axis in ("height", "width", "time"):
+        assert vision[f"init_pos_emb_{axis}"] == vision[f"pos_emb_{axis}"]
+    with safe_open(str(mini / "model.safetensors"), "pt") as f:
+        grid = f.get_slice("vision_tower.patch_embed.pos_emb.weight").get_shape()
+    assert list(grid)[:2] == [vision["init_pos_emb_height"], vision["init_pos_emb_width"]]
     assert any(k.startswith("mm_projector.") for k in keys)
     # As with the real model, the tokenizer is custom code: nothing loads without consent.
     with pytest.raises(ValueError):
