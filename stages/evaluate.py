@@ -27,7 +27,7 @@ from typing import Any
 
 from runner.assets import load_prompt_sets
 from runner.errors import StageError
-from runner.integrations.speculators import resolve_train_config
+from runner.integrations.speculators import recorded_settings, resolve_train_config
 from runner.schema import RunnerConfig, prompt_set_name
 from runner.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.store import damage
@@ -191,13 +191,13 @@ def _random_draft(train_manifest: dict, dest: Path) -> Path:
     (speculators' dry run of the same command)."""
     from speculators.train.cli import main as speculators_train  # imports torch: seconds
 
-    argv = list(train_manifest["speculators_argv"])
-    i = argv.index("--save-path")
-    argv[i + 1] = str(dest)
+    settings = recorded_settings(train_manifest)
     # A dry run in this process: no MLflow logger, no sharding (that needs torchrun).
-    argv = [a for a in argv if a not in ("--logger", "mlflow", "--fsdp-shard")] + ["--dry-run"]
+    for name in ("logger", "fsdp_shard"):
+        settings.pop(name, None)
+    settings.update(save_path=str(dest), dry_run=True)
     slots = tuple(train_manifest.get("slots", ()))
-    speculators_train(resolve_train_config(argv, slots))
+    speculators_train(resolve_train_config(settings, slots))
     return dest
 
 

@@ -17,6 +17,8 @@ Private APIs touched:
   format (`capture_metrics`: keeps the metric dicts its MLflow logger receives).
 - through `speculators_slots` (imported by `register_slot_backend`): hs-connectors'
   `FileBackend`, `FileTransfer.get_cached` and `HiddenStatesBackend.registry`.
+- `speculators.train.config.resolution.build_parser` (`recorded_settings`: the argv a train
+  artifact of an earlier runner recorded, read back into settings);
 - `speculators.train.config.resolution.CONFIG_DESTS` / `_BACKEND_DESTS` (its setting names,
   to refuse one it does not know: `from_sources` ignores it) and
   `speculators.train.config.resolution.ConfigError` (`resolve_train_config`); the checkpoint
@@ -451,6 +453,19 @@ def resolve_train_config(settings: Mapping[str, Any], slots: tuple[int, ...] = (
     except SpeculatorsConfigError as exc:  # a missing value or a draft-init conflict: its flag
         flag = re.search(r"--([a-z0-9-]+)", str(exc))
         raise Refused(flag.group(1).replace("-", "_") if flag else None, str(exc)) from None
+
+
+def recorded_settings(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a train artifact was trained with: its manifest's `speculators_settings`,
+    or, for one trained before they were recorded, its `speculators_argv` read by speculators'
+    own parser (the same stage key: such artifacts are reused)."""
+    if "speculators_settings" in manifest:
+        return dict(manifest["speculators_settings"])
+    from speculators.train.config.resolution import build_parser
+
+    parsed = vars(build_parser().parse_args(list(manifest["speculators_argv"])))
+    config_dests, backend_dests = _dests()
+    return {k: v for k, v in parsed.items() if k in config_dests | backend_dests}
 
 
 def command_line(settings: Mapping[str, Any]) -> list[str]:
