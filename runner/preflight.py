@@ -20,7 +20,13 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 
 from runner import endpoint
-from runner.integrations.vllm import MIN_VLLM, MIN_VLLM_DEFAULT, known_limits, vllm_eagle3_support
+from runner.integrations.vllm import (
+    MIN_VLLM,
+    MIN_VLLM_DEFAULT,
+    known_limits,
+    unchecked,
+    vllm_eagle3_support,
+)
 from runner.layer_ids import to_output_of
 from runner.layout import RunLayout
 from runner.schema import RunnerConfig
@@ -28,7 +34,7 @@ from runner.stage import DRAFT, EXTRACTION, GENERATE, Plan, PlanView, ServerNeed
 from runner.store import ArtifactStore, fmt_bytes
 from runner.target_facts import Target, weight_bytes
 from runner.tracking import check_store, tracking_uri
-from runner.versions import ABSENT, VLLM_DISTS, lib_version, version_tuple
+from runner.versions import ABSENT, VLLM_DISTS, installed, version_tuple
 
 GiB = 1 << 30
 # Above this share of a GPU taken by weights, the plan warns that little is left for KV cache.
@@ -105,11 +111,11 @@ def _engine_lines(
             f"not checked here; {arch} needs >= {need}",
         )
         return
-    have = lib_version(*VLLM_DISTS)
+    dist, have = installed(*VLLM_DISTS)
     plan.add(
         "vLLM",
-        f"installed {'none' if have == ABSENT else have}; {arch} needs >= {need} for EAGLE-3 "
-        f"extraction and serving; started by {started_by}",
+        f"installed {'none' if have == ABSENT else f'{dist} {have}'}; {arch} needs >= {need} "
+        f"for EAGLE-3 extraction and serving; started by {started_by}",
     )
     if not users:
         return
@@ -124,6 +130,17 @@ def _engine_lines(
     if version_tuple(have) < version_tuple(need):
         plan.error("run.stages", f"vLLM {have} is older than {need}, which {arch} needs")
         return
+    why = unchecked(dist, have)
+    if why and not cfg.hardware.vllm.allow_unchecked_version:
+        plan.error(
+            "hardware.vllm.allow_unchecked_version",
+            f"{why}: install a checked one (`make setup`; on a GPU machine `pip install '.[gpu]' "
+            "-c constraints/h200-py312-cu130.txt`), or set it true to run this one at your own "
+            "risk",
+        )
+        return
+    if why:
+        plan.warn("hardware.vllm.allow_unchecked_version", f"{why}; running it as asked")
     support = vllm_eagle3_support(arch, have)
     if support is None:
         plan.warn("run.stages", f"could not ask vLLM {have} whether {arch} supports EAGLE-3")

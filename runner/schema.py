@@ -234,6 +234,9 @@ class VllmLaunchConfig:
     ready_timeout_s: int = 900
     # Seconds between SIGTERM and SIGKILL when the runner stops it.
     stop_timeout_s: int = 60
+    # Run a vLLM version the runner was not checked with (runner/integrations/vllm.py CHECKED):
+    # the plan refuses one unless this is true, and then warns.
+    allow_unchecked_version: bool = False
     # A server that already runs (http://host:port): extraction, online training and evaluation
     # use it instead of starting one; the plan checks through its API that it serves this
     # target, set up as the stage needs (runner/endpoint.py).
@@ -604,12 +607,33 @@ class EvalConfig:
     random_baseline: bool = False
     # Also serve the target alone: checks greedy output is unchanged and measures the speed ratio.
     compare_target: bool = True
+    # An output served with the draft that leaves the target's greedy path is a near tie (bf16
+    # kernels of another batch shape) when the target's two likeliest tokens there lie within
+    # this logprob gap, and the run fails on any other. 0.1: a bf16 logit near 16 is stored to a
+    # spacing of 0.0625 (near 32, 0.125), so two kernels summing in another order move a logit
+    # by about that much.
+    near_tie_gap: float = 0.1
+    # The speed ratio (draft-served over the target alone), measured on warm servers this many
+    # times at concurrency 1 and at the evaluation's batch (the first set's prompts). null = 3 on
+    # a GPU, 0 on a CPU (vLLM's CPU build runs speculative decoding slower than the target).
+    speed_repeats: int | None = None
+    # Prompts (the first set's first ones) generated one after another for concurrency 1.
+    speed_prompts: int = 8
     # Seconds allowed for generating all prompts on one vLLM server (start-up not included).
     timeout_s: int = 1800
 
     def check(self) -> None:
-        for key in ("num_prompts", "max_new_tokens", "num_speculative_tokens", "timeout_s"):
+        for key in (
+            "num_prompts",
+            "max_new_tokens",
+            "num_speculative_tokens",
+            "timeout_s",
+            "speed_prompts",
+        ):
             _at_least(f"eval.{key}", getattr(self, key), 1)
+        if self.speed_repeats is not None:
+            _at_least("eval.speed_repeats", self.speed_repeats, 0)
+        _above("eval.near_tie_gap", self.near_tie_gap, 0)
         names = [prompt_set_name(p) for p in self.prompts]
         if not names or len(set(names)) != len(names):
             raise ConfigError(

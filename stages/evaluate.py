@@ -95,12 +95,21 @@ def server_args(cfg: RunnerConfig, draft: Path | None) -> list[str]:
 
 
 async def _generate_all(
-    server: VllmServer | ExistingServer, prompts: list[str], cfg: RunnerConfig
+    server: VllmServer | ExistingServer,
+    prompts: list[str],
+    cfg: RunnerConfig,
+    one_at_a_time: bool = False,
+    top2: bool = False,
 ) -> list[Any]:
-    """Every prompt at once (the server batches them), greedy, with the generated token ids."""
+    """Every prompt at once (the server batches them), or one after another, greedy, with the
+    generated token ids; `top2`: each generated position's two likeliest tokens (ids) and their
+    logprobs too."""
     import openai  # the client library takes a second to import; only evaluation needs it
 
     e = cfg.eval
+    extra: dict[str, Any] = {"return_token_ids": True}
+    if top2:
+        extra["return_tokens_as_token_ids"] = True  # "token_id:123", not text
     async with openai.AsyncOpenAI(base_url=server.url, api_key="EMPTY", max_retries=0) as client:
 
         async def one(i: int, prompt: str) -> Any:
@@ -111,7 +120,8 @@ async def _generate_all(
                     temperature=0.0,
                     max_tokens=e.max_new_tokens,
                     seed=0,
-                    extra_body={"return_token_ids": True},
+                    extra_body=extra,
+                    **({"logprobs": True, "top_logprobs": 2} if top2 else {}),
                 )
             except Exception as exc:
                 server.check_alive()
@@ -121,11 +131,47 @@ async def _generate_all(
 
         try:
             async with asyncio.timeout(e.timeout_s):
+                if one_at_a_time:
+                    return [await one(i, p) for i, p in enumerate(prompts)]
                 return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         except TimeoutError:
             raise StageError(
                 f"generating {len(prompts)} prompts took longer than eval.timeout_s={e.timeout_s}"
             ) from None
+
+
+def _top2(choice: Any) -> list[list[tuple[int, float]]]:
+    """Per generated position, the two likeliest tokens as (id, logprob), likeliest first."""
+    content = getattr(choice.logprobs, "content", None) or []
+    return [
+        [(int(t.token.split(":", 1)[1]), float(t.logprob)) for t in pos.top_logprobs[:2]]
+        for pos in content
+    ]
+
+
+def _warm(server: VllmServer | ExistingServer, prompts: list[str], cfg: RunnerConfig) -> None:
+    """The same warm-up for every server before anything is measured: two requests one at a
+    time, then a batch (CUDA graphs, compilation and caches settle in the first requests: a cold
+    server measured 0.28x where the same servers warm measured 1.06x)."""
+    asyncio.run(_generate_all(server, prompts[:2], cfg, one_at_a_time=True))
+    asyncio.run(_generate_all(server, prompts[:8], cfg))
+
+
+def _speed(
+    server: VllmServer | ExistingServer, prompts: list[str], cfg: RunnerConfig, repeats: int
+) -> dict[str, list[float]]:
+    """Generated tokens per second, warm, `repeats` times each: at concurrency 1 (the first
+    eval.speed_prompts prompts one after another) and at the evaluation's batch (the set's
+    prompts all at once)."""
+    out: dict[str, list[float]] = {"c1": [], "batch": []}
+    few = prompts[: cfg.eval.speed_prompts]
+    for _ in range(repeats):
+        for kind, chosen, alone in (("c1", few, True), ("batch", prompts, False)):
+            t0 = time.perf_counter()
+            outs = asyncio.run(_generate_all(server, chosen, cfg, one_at_a_time=alone))
+            tokens = sum(len(o.choices[0].token_ids or []) for o in outs)
+            out[kind].append(tokens / (time.perf_counter() - t0))
+    return out
 
 
 def _serve(
@@ -135,10 +181,13 @@ def _serve(
     sets: dict[str, list[str]],
     label: str,
     logs: Path,
+    top2: bool = False,
+    speed_repeats: int = 0,
 ) -> tuple[float, dict[str, dict]]:
-    """Start a server for the target (with `draft` if given), generate each prompt set in turn
-    (its counters read around it), and stop it. Returns the start-up seconds and, per set, the
-    outputs and counters."""
+    """Start a server for the target (with `draft` if given), warm it, generate each prompt set
+    in turn (its counters read around it), measure its speed on the first set (warm,
+    `speed_repeats` times), and stop it. Returns the start-up seconds and, per set, the outputs
+    and counters (the first set's with "speed")."""
     log.info(
         "[evaluate] %s: %s on a vLLM server (its log: logs/vllm_%s.log)",
         label,
@@ -155,11 +204,14 @@ def _serve(
     out: dict[str, dict] = {}
     # (`logs` is in the stage's scratch folder: a failed evaluation keeps its servers' logs there.)
     with server:
+        first = next(iter(sets.values()))
+        with quiet_http_logs():
+            _warm(server, first, cfg)
         for name, prompts in sets.items():
             before = server.spec_decode_counters()
             t0 = time.time()
             with quiet_http_logs():
-                outs = asyncio.run(_generate_all(server, prompts, cfg))
+                outs = asyncio.run(_generate_all(server, prompts, cfg, top2=top2))
             gen_s = time.time() - t0
             # Counters are cumulative since start; the difference is exactly these prompts.
             counters = (
@@ -182,7 +234,11 @@ def _serve(
                 "texts": [o.choices[0].message.content or "" for o in outs],
                 "prompt_tokens": [o.usage.prompt_tokens for o in outs],
                 "counters": counters,
+                **({"top2": [_top2(o.choices[0]) for o in outs]} if top2 else {}),
             }
+        if speed_repeats:
+            with quiet_http_logs():
+                out[next(iter(sets))]["speed"] = _speed(server, first, cfg, speed_repeats)
     return server.start_s, out
 
 
@@ -242,6 +298,62 @@ def teacher_forced(train_metrics: dict[str, Any], k: int) -> dict[str, Any]:
     return out
 
 
+NEAR_TIE, MISMATCH, UNKNOWN = "near tie", "mismatch", "undetermined"
+
+
+def divergence(
+    draft_ids: list[int],
+    target_ids: list[int],
+    target_top2: list[list[tuple[int, float]]],
+    near_tie_gap: float,
+) -> dict[str, Any] | None:
+    """Where a served output first differs from the target's own greedy output, and whether that
+    is a near tie: at that position the target's two likeliest tokens lie within
+    `near_tie_gap` (logprob) of each other and the draft-served output took the second (or
+    stopped where the target did not). None when the outputs are identical."""
+    if draft_ids == target_ids:
+        return None
+    j = next(
+        (i for i, (a, b) in enumerate(zip(draft_ids, target_ids, strict=False)) if a != b),
+        min(len(draft_ids), len(target_ids)),
+    )
+    took = draft_ids[j] if j < len(draft_ids) else None
+    row: dict[str, Any] = {"position": j, "draft_token": took}
+    if j >= len(target_top2) or len(target_top2[j]) < 2:
+        return {**row, "target_token": None, "gap": None, "verdict": UNKNOWN}
+    (first, lp1), (second, lp2) = target_top2[j][:2]
+    gap = lp1 - lp2
+    near = gap < near_tie_gap and took in (second, None)
+    return {
+        **row,
+        "target_token": first,
+        "second_token": second,
+        "gap": gap,
+        "verdict": NEAR_TIE if near else MISMATCH,
+    }
+
+
+def _spread(values: list[float]) -> float:
+    import statistics
+
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def speed_metrics(draft: dict[str, list[float]], target: dict[str, list[float]]) -> dict[str, Any]:
+    """The speed ratio (draft-served over the target alone, warm), at concurrency 1 and at the
+    evaluation's batch: the mean of the per-repeat ratios and their standard deviation."""
+    out: dict[str, Any] = {}
+    for kind in ("c1", "batch"):
+        ratios = [d / t for d, t in zip(draft[kind], target[kind], strict=True)]
+        if not ratios:
+            continue
+        out[f"speedup_{kind}"] = sum(ratios) / len(ratios)
+        out[f"speedup_{kind}_std"] = _spread(ratios)
+        out[f"draft_tok_s_{kind}"] = sum(draft[kind]) / len(draft[kind])
+        out[f"target_tok_s_{kind}"] = sum(target[kind]) / len(target[kind])
+    return out
+
+
 def _tokens_per_s(result: dict) -> float:
     return sum(len(t) for t in result["token_ids"]) / result["generate_s"]
 
@@ -273,7 +385,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "serve_command": shell_command(cfg, ctx.facts.path, server_args(cfg, draft)),
     }
     ctx.manifest["prompt_sets"] = {name: len(p) for name, p in sets.items()}
-    start_s, spec = _serve(cfg, ctx.facts, draft, sets, "draft", logs)
+    existing = cfg.hardware.vllm.endpoint is not None
+    comparing = e.compare_target and not existing
+    repeats = speed_repeats(cfg) if comparing else 0
+    start_s, spec = _serve(cfg, ctx.facts, draft, sets, "draft", logs, speed_repeats=repeats)
     metrics: dict[str, Any] = {"server_start_s": start_s}
     for name, result in spec.items():
         # The first set's figures are the run's own; another set's carry its name as a prefix.
@@ -287,31 +402,27 @@ def run(ctx: StageContext) -> dict[str, Any]:
         metrics[f"{pre}generated_tokens"] = sum(len(t) for t in result["token_ids"])
         metrics[f"{pre}spec_tokens_per_s"] = _tokens_per_s(result)
     identical: dict[str, list[bool | None]] = {n: [None] * len(p) for n, p in sets.items()}
+    differs: dict[str, list[dict[str, Any] | None]] = {n: [None] * len(p) for n, p in sets.items()}
     # A server that already runs (hardware.vllm.endpoint) serves one configuration, the draft's:
     # the target alone and a random draft would need servers of their own (the plan says so).
-    existing = cfg.hardware.vllm.endpoint is not None
     if existing:
         ctx.manifest["served_by"] = cfg.hardware.vllm.endpoint
-    if e.compare_target and not existing:
-        _, target = _serve(cfg, ctx.facts, None, sets, "target", logs)
+    if comparing:
+        _, target = _serve(
+            cfg, ctx.facts, None, sets, "target", logs, top2=True, speed_repeats=repeats
+        )
         for name, result in target.items():
             pre = "" if name == first else f"{name}/"
-            pairs = zip(spec[name]["token_ids"], result["token_ids"], strict=True)
-            identical[name] = [a == b for a, b in pairs]
+            rows = zip(spec[name]["token_ids"], result["token_ids"], result["top2"], strict=True)
+            differs[name] = [divergence(a, b, t2, e.near_tie_gap) for a, b, t2 in rows]
+            identical[name] = [d is None for d in differs[name]]
             metrics[f"{pre}target_tokens_per_s"] = _tokens_per_s(result)
-            metrics[f"{pre}speedup"] = _tokens_per_s(spec[name]) / _tokens_per_s(result)
-        flat = [ok for name in sets for ok in identical[name]]
-        metrics["identical_to_target_fraction"] = sum(flat) / len(flat)
-        if not all(flat):
-            bad = [(n, i) for n in sets for i, ok in enumerate(identical[n]) if not ok]
-            log.warning(
-                "[evaluate] %d of %d outputs differ from the target's own greedy output "
-                "(set, prompt: %s); bf16 kernels with different batch shapes can flip near-tied "
-                "tokens",
-                len(bad),
-                len(flat),
-                bad[:10],
-            )
+        if repeats:
+            metrics.update(speed_metrics(spec[first]["speed"], target[first]["speed"]))
+            metrics["speed_repeats"] = repeats
+            metrics["speed_batch"] = len(sets[first])
+        metrics.update(_identity_counts(differs))
+        _refuse_mismatches(differs)
     if e.random_baseline and not existing and train_art is not None:
         # On the first set only: a floor, not a figure to compare across sets.
         rand = _random_draft(train_art.manifest, work / "random_draft")
@@ -321,6 +432,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if train_art is not None:
         train_metrics = train_art.manifest.get("metrics", {})
         metrics.update(teacher_forced(train_metrics, e.num_speculative_tokens))
+    identity = [
+        {"set": name, "index": i, "prompt": sets[name][i][:200], **d}
+        for name in sets
+        for i, d in enumerate(differs[name])
+        if d is not None
+    ]
+    (ctx.out / "identity.json").write_text(json.dumps(identity, indent=1))
     table = [
         {
             "set": name,
@@ -329,6 +447,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             "prompt_tokens": spec[name]["prompt_tokens"][i],
             "new_tokens": len(spec[name]["token_ids"][i]),
             "identical_to_target": identical[name][i],
+            "differs": (differs[name][i] or {}).get("verdict"),
             "output": spec[name]["texts"][i],
         }
         for name, prompts in sets.items()
@@ -339,6 +458,52 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if logs.is_dir():  # none with an existing server: its log is on its machine
         shutil.copytree(logs, ctx.out / "logs")
     return metrics
+
+
+def speed_repeats(cfg: RunnerConfig) -> int:
+    """eval.speed_repeats, or its default: 3 on a GPU, none on a CPU (vLLM's CPU build runs
+    speculative decoding slower than the target alone: its ratio says nothing about serving)."""
+    if cfg.eval.speed_repeats is not None:
+        return cfg.eval.speed_repeats
+    return 3 if cfg.hardware.device == "cuda" else 0
+
+
+def _identity_counts(differs: dict[str, list[dict[str, Any] | None]]) -> dict[str, Any]:
+    flat = [d for rows in differs.values() for d in rows]
+    verdicts = [d["verdict"] for d in flat if d is not None]
+    return {
+        "identical_to_target_fraction": sum(d is None for d in flat) / len(flat),
+        "near_ties": verdicts.count(NEAR_TIE),
+        "mismatches": verdicts.count(MISMATCH),
+        "undetermined": verdicts.count(UNKNOWN),
+    }
+
+
+def _refuse_mismatches(differs: dict[str, list[dict[str, Any] | None]]) -> None:
+    """An output that leaves the target's greedy path where the target was not near a tie is a
+    wrong answer, not bf16 noise: the draft-served engine changed what the target says."""
+    bad = [
+        (name, i, d)
+        for name, rows in differs.items()
+        for i, d in enumerate(rows)
+        if d is not None and d["verdict"] == MISMATCH
+    ]
+    near = sum(1 for rows in differs.values() for d in rows if d and d["verdict"] == NEAR_TIE)
+    if near:
+        log.info(
+            "[evaluate] %d output(s) leave the target's greedy path at a near tie "
+            "(top-2 logprob gap < eval.near_tie_gap): bf16 kernels of another batch shape",
+            near,
+        )
+    if bad:
+        name, i, d = bad[0]
+        raise StageError(
+            f"{len(bad)} output(s) served with the draft differ from the target's own where the "
+            f"target was not near a tie; first: set {name}, prompt {i}, position "
+            f"{d['position']} (target token {d['target_token']}, served {d['draft_token']}, "
+            f"top-2 gap {d['gap']:.3f} >= eval.near_tie_gap). Speculative decoding must not "
+            "change greedy output: check the draft's vocab mapping and the vLLM version"
+        )
 
 
 def _set_names(cfg: RunnerConfig) -> list[str]:
@@ -360,7 +525,8 @@ def results(metrics: Mapping[str, Any], cfg: RunnerConfig) -> list[dict[str, Any
                 "k": cfg.eval.num_speculative_tokens,
                 "acceptance_length": metrics[f"{pre}acceptance_length"],
                 "per_position": [v for _, v in _positions(metrics, pre)],
-                "speedup": metrics.get(f"{pre}speedup"),
+                "speedup_c1": metrics.get("speedup_c1") if i == 0 else None,
+                "speedup_batch": metrics.get("speedup_batch") if i == 0 else None,
                 "random_acceptance_length": (
                     metrics.get("random_acceptance_length") if i == 0 else None
                 ),
@@ -376,15 +542,33 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
     lines = []
     for row in results(metrics, cfg):
         per_pos = " / ".join(f"{v:.3f}" for v in row["per_position"])
-        speed = row["speedup"]
         lines.append(
             f"acceptance length {row['acceptance_length']:.3f} on {row['set']} (k={row['k']}, "
-            f"per position {per_pos}, {row['prompts']} prompts"
-            + (f", speed {speed:.2f}x the target alone)" if speed is not None else ")")
+            f"per position {per_pos}, {row['prompts']} prompts)"
+        )
+    if "speedup_c1" in metrics:
+        lines.append(
+            f"speed, warm, draft-served over the target alone ({metrics['speed_repeats']:.0f} "
+            f"repeats, mean ± sd): {metrics['speedup_c1']:.2f}x ± "
+            f"{metrics['speedup_c1_std']:.2f} at concurrency 1, {metrics['speedup_batch']:.2f}x "
+            f"± {metrics['speedup_batch_std']:.2f} at batch {metrics['speed_batch']:.0f}"
+            + (
+                " (on CPU vLLM's speculative decoding is slower than the target alone)"
+                if cfg.hardware.device == "cpu"
+                else ""
+            )
         )
     extra = []
     if same is not None:
-        extra.append(f"identical to target: {same:.0%}")
+        differ = [
+            f"{metrics[k]:.0f} {k.replace('_', ' ')}"
+            for k in ("near_ties", "mismatches", "undetermined")
+            if metrics.get(k)
+        ]
+        extra.append(
+            f"identical to target: {same:.0%}"
+            + (f" (the rest: {', '.join(differ)})" if differ else "")
+        )
     if "random_acceptance_length" in metrics:
         extra.append(f"random draft {metrics['random_acceptance_length']:.3f}")
     if "teacher_forced_acceptance_length" in metrics:
@@ -429,8 +613,13 @@ def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
 
 
 def tables(_metrics: Mapping[str, Any], path: Path) -> dict[str, list[dict[str, Any]]]:
-    table = path / "eval_table.json"
-    return {"evaluate/prompts.json": json.loads(table.read_text())} if table.is_file() else {}
+    out = {}
+    for name, logged in (("eval_table.json", "prompts.json"), ("identity.json", "identity.json")):
+        if (path / name).is_file():
+            rows = json.loads((path / name).read_text())
+            if rows:
+                out[f"evaluate/{logged}"] = rows
+    return out
 
 
 def figures(metrics: Mapping[str, Any], _path: Path) -> dict[str, Any]:

@@ -92,3 +92,31 @@ def test_sweep_table_has_a_column_per_position_for_every_k(tmp_path):
     assert rows[0]["acc_pos_3"] is None and rows[1]["acc_pos_4"] == pytest.approx(0.1)
     table = render_table(rows)
     assert "acc_pos_4" in table.splitlines()[0] and "sweep time 20 s" in table
+
+
+def test_a_divergence_at_a_near_tie_is_told_from_a_real_mismatch():
+    from stages.evaluate import MISMATCH, NEAR_TIE, UNKNOWN, divergence
+
+    target = [5, 6, 7, 8]
+    # The target's two likeliest tokens per position, (id, logprob).
+    top2 = [[(5, -0.1), (9, -3.0)], [(6, -0.70), (4, -0.72)], [(7, -0.2), (3, -2.0)], [(8, -1)]]
+    assert divergence(target, target, top2, 0.1) is None
+    near = divergence([5, 4, 1], target, top2, 0.1)  # took the runner-up where 0.02 apart
+    assert near["position"] == 1 and near["verdict"] == NEAR_TIE and abs(near["gap"] - 0.02) < 1e-9
+    far = divergence([5, 6, 3], target, top2, 0.1)  # took the runner-up where 1.8 apart
+    assert far["position"] == 2 and far["verdict"] == MISMATCH and far["target_token"] == 7
+    other = divergence([5, 2], target, top2, 0.1)  # a token the target did not even rank second
+    assert other["verdict"] == MISMATCH
+    stopped = divergence([5, 6, 7], target, top2, 0.1)  # the target's last position has one
+    assert stopped["position"] == 3 and stopped["verdict"] == UNKNOWN
+
+
+def test_the_speed_ratio_pairs_repeats_and_reports_their_spread():
+    from stages.evaluate import speed_metrics
+
+    m = speed_metrics(
+        {"c1": [110.0, 100.0, 105.0], "batch": [900.0, 950.0, 925.0]},
+        {"c1": [100.0, 100.0, 100.0], "batch": [1000.0, 1000.0, 1000.0]},
+    )
+    assert abs(m["speedup_c1"] - 1.05) < 1e-9 and abs(m["speedup_c1_std"] - 0.05) < 1e-9
+    assert abs(m["speedup_batch"] - 0.925) < 1e-9 and m["target_tok_s_batch"] == 1000.0

@@ -27,6 +27,9 @@ REDUCED = [
     "eval.num_prompts=6",
     "eval.max_new_tokens=24",
     "eval.random_baseline=true",
+    # The warm speed measurement, once, on two prompts (a CPU's figure is for the record only).
+    "eval.speed_repeats=1",
+    "eval.speed_prompts=2",
 ]
 
 
@@ -111,6 +114,12 @@ def test_acceptance_is_measured_by_vllm(runs):
     ]
     # Speculation must not change greedy output, on any prompt.
     assert m["identical_to_target_fraction"] == 1.0
+    assert m["near_ties"] == m["mismatches"] == m["undetermined"] == 0
+    # Speed: warm, the same warm-up on both servers, at concurrency 1 and at the set's batch.
+    assert m["speed_batch"] == 6 and m["speed_repeats"] == 1
+    assert m["speedup_c1"] > 0 and m["speedup_batch"] > 0 and m["target_tok_s_c1"] > 0
+    speed = next(line for line in lines if line.startswith("speed, warm"))
+    assert "at concurrency 1" in speed and "at batch 6" in speed and "slower" in speed
     assert "teacher_forced_acceptance_length" in m
     # Three servers (draft, target, random draft), each started, logged and stopped by the runner.
     logs = first.results["evaluate"].path / "logs"

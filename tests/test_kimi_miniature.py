@@ -194,6 +194,8 @@ def test_the_whole_pipeline_with_evaluation_on_a_gpu(root, mini):
                 *MINI,
                 f"run.output_root={root}",
                 "hardware=gpu1",
+                # The GPU recipe's 32k draft vocab is twice the miniature's vocab.
+                "vocab.draft_vocab_size=4096",
                 "extract=vllm",
                 "eval.num_prompts=8",
                 "eval.max_new_tokens=32",

@@ -129,10 +129,29 @@ def test_trust_remote_code_only_when_needed(tmp_path, tiny_model_dir):
 def test_an_old_vllm_is_refused_for_kimi(tmp_path, monkeypatch):
     import runner.preflight as pf
 
-    monkeypatch.setattr(pf, "lib_version", lambda *names: "0.17.1")
+    monkeypatch.setattr(pf, "installed", lambda *names: ("vllm", "0.17.1"))
     with pytest.raises(ConfigError) as info:
         plan(tmp_path)
     assert info.value.key == "run.stages" and "0.18.0" in info.value.message
+
+
+def test_a_vllm_the_runner_was_not_checked_with_is_refused_unless_allowed(
+    tmp_path, monkeypatch, capsys
+):
+    import runner.preflight as pf
+
+    # vLLM 0.33 (what an unpinned `pip install vllm` resolved to, with torch 2.14) is newer than
+    # Kimi needs, but no version the integrations were run with.
+    monkeypatch.setattr(pf, "installed", lambda *names: ("vllm", "0.33.0"))
+    with pytest.raises(ConfigError) as info:
+        plan(tmp_path)
+    assert info.value.key == "hardware.vllm.allow_unchecked_version"
+    assert "vllm 0.33.0" in info.value.message and "vllm 0.26.0" in info.value.message
+    allowed = plan(tmp_path, "hardware.vllm.allow_unchecked_version=true").plan
+    assert [p.level for p in allowed.problems if "0.33.0" in p.message] == ["warning"]
+    # The checked GPU build plans as it did.
+    monkeypatch.setattr(pf, "installed", lambda *names: ("vllm", "0.26.0"))
+    assert "installed vllm 0.26.0" in plan(tmp_path).plan.render()
 
 
 def test_default_speculators_layers_collide_on_a_four_layer_model(tmp_path, tiny_model_dir):

