@@ -98,16 +98,23 @@ def test_a_divergence_at_a_near_tie_is_told_from_a_real_mismatch():
     from stages.evaluate import MISMATCH, NEAR_TIE, UNKNOWN, divergence
 
     target = [5, 6, 7, 8]
-    # The target's two likeliest tokens per position, (id, logprob).
-    top2 = [[(5, -0.1), (9, -3.0)], [(6, -0.70), (4, -0.72)], [(7, -0.2), (3, -2.0)], [(8, -1)]]
-    assert divergence(target, target, top2, 0.1) is None
-    near = divergence([5, 4, 1], target, top2, 0.1)  # took the runner-up where 0.02 apart
-    assert near["position"] == 1 and near["verdict"] == NEAR_TIE and abs(near["gap"] - 0.02) < 1e-9
-    far = divergence([5, 6, 3], target, top2, 0.1)  # took the runner-up where 1.8 apart
+    # The target's likeliest tokens per position, (id, logprob), likeliest first.
+    top = [
+        [(5, -0.1), (9, -3.0)],
+        [(6, -0.70), (4, -0.82), (2, -0.95)],
+        [(7, -0.2), (3, -2.0)],
+        [(8, -1.0)],
+    ]
+    assert divergence(target, target, top, 0.25) is None
+    near = divergence([5, 4, 1], target, top, 0.25)  # the runner-up, 0.12 below (one bf16 step)
+    assert near["position"] == 1 and near["verdict"] == NEAR_TIE and abs(near["gap"] - 0.12) < 1e-9
+    third = divergence([5, 2], target, top, 0.25)  # a three-way tie: the third, 0.25 below
+    assert third["verdict"] == NEAR_TIE and abs(third["gap"] - 0.25) < 1e-9
+    far = divergence([5, 6, 3], target, top, 0.25)  # the runner-up, 1.8 below: a real error
     assert far["position"] == 2 and far["verdict"] == MISMATCH and far["target_token"] == 7
-    other = divergence([5, 2], target, top2, 0.1)  # a token the target did not even rank second
-    assert other["verdict"] == MISMATCH
-    stopped = divergence([5, 6, 7], target, top2, 0.1)  # the target's last position has one
+    unranked = divergence([5, 6, 1], target, top, 0.25)  # not among the target's likeliest
+    assert unranked["verdict"] == MISMATCH
+    stopped = divergence([5, 6, 7], target, top, 0.25)  # the last position shows one token
     assert stopped["position"] == 3 and stopped["verdict"] == UNKNOWN
 
 
