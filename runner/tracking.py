@@ -257,7 +257,10 @@ class Tracker:
             client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
     def metrics(self) -> dict[str, float]:
-        """The run's metrics as MLflow holds them now (the latest value of each)."""
+        """The run's metrics as MLflow holds them (the latest value of each), once everything
+        queued is written: logging is asynchronous (see __init__), and a read before the queue
+        drains misses the newest metrics."""
+        self.mlflow.flush_async_logging()
         return dict(self.mlflow.MlflowClient(self.uri).get_run(self.run_id).data.metrics)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
