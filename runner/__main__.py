@@ -48,7 +48,8 @@ _composed = False
 
 # conf/ of a source checkout, else the copy the wheel installs as the `runner.conf` package.
 _SOURCE_CONF = Path(__file__).resolve().parent.parent / "conf"
-CONFIG_PATH = "../conf" if (_SOURCE_CONF / "config.yaml").is_file() else "pkg://runner.conf"
+# An absolute folder: the console script of an editable install runs from any directory.
+CONFIG_PATH = str(_SOURCE_CONF) if (_SOURCE_CONF / "config.yaml").is_file() else "pkg://runner.conf"
 
 
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base="1.3")

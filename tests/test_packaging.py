@@ -100,3 +100,17 @@ def test_the_installed_wheel_composes_plans_and_explains_itself(installed, tmp_p
     helped = _run(installed, "--help", cwd=tmp_path)
     assert helped.stdout.startswith("eagle3-runner: train an EAGLE-3")
     assert "model: hf, kimi_k25, kimi_k25_mini, smollm2_135m" in helped.stdout
+
+
+def test_the_console_script_of_the_setup_venv_works_from_any_directory(tmp_path):
+    """`make setup` installs the project editable; its `eagle3-runner` finds conf/ from another
+    directory (it used to look for a top-level `conf` package and find none)."""
+    script = Path(sysconfig.get_path("scripts")) / "eagle3-runner"
+    if not script.is_file():
+        pytest.skip("this environment has no eagle3-runner console script (make setup makes one)")
+    env = {**os.environ, "EAGLE3_RUNNER_HOME": str(tmp_path / "out")}
+    out = subprocess.run(
+        [str(script), "--help"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "vocab: default, gpu" in out.stdout and "Traceback" not in out.stderr
