@@ -14,7 +14,6 @@ Options: --output-root DIR (default $EAGLE3_RUNNER_HOME, else ./outputs), --trac
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import shlex
 import shutil
@@ -43,15 +42,6 @@ def _find_run(client: Any, experiment: str, run_id: str | None) -> Any:
         if "path.train" in run.data.tags and run.info.status == "FINISHED":
             return run
     return None
-
-
-def _listed(param: str) -> list[str]:
-    """A list param as MLflow stores it ("['mtbench', 'humaneval']"), or a single value."""
-    try:
-        value = ast.literal_eval(param)
-    except (ValueError, SyntaxError):
-        return [param]
-    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
 
 
 def local_serve_command(run: Any, folder: Path) -> str | None:
