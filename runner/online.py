@@ -43,7 +43,20 @@ def serving_gpus(cfg: RunnerConfig) -> list[str] | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
     ids = ids or [str(i) for i in range(hw.num_gpus)]
+    if cfg.extract.share_gpu is not None:  # the first GPUs, which training uses as well
+        return ids[: hw.tensor_parallel_size]
     return ids[-hw.tensor_parallel_size :]
+
+
+def sharing_args(cfg: RunnerConfig, args: list[str]) -> list[str]:
+    """extract.share_gpu: the server's memory fraction is that, whatever hardware says, so
+    that training on the same GPUs has the rest."""
+    if cfg.extract.share_gpu is None or cfg.hardware.device != "cuda":
+        return args
+    out = list(args)
+    i = out.index("--gpu-memory-utilization")
+    out[i + 1] = str(cfg.extract.share_gpu)
+    return out
 
 
 def probe(ctx: StageContext, server: Any) -> dict[str, Any]:
@@ -124,7 +137,7 @@ def hidden_state_server(
     if not (shared and shared_servers.running(key)):
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-    args = server_args(cfg, facts, staging)
+    args = sharing_args(cfg, server_args(cfg, facts, staging))
 
     def start() -> Any:
         return serve(
@@ -173,6 +186,16 @@ def plan_online(p: Plan, cfg: RunnerConfig) -> None:
         p.add("online", "the train stage's vLLM server and training share this machine's CPUs")
         return
     tp, n, ranks = hw.tensor_parallel_size, hw.num_gpus, cfg.train_ranks()
+    share = cfg.extract.share_gpu
+    if share is not None:
+        gpus = serving_gpus(cfg) or []
+        p.add(
+            "online",
+            f"vLLM serves on GPU(s) {','.join(gpus)} (TP {tp}) with {share:.0%} of their memory "
+            f"(extract.share_gpu); training on the first {ranks} of the visible GPUs shares "
+            f"them, with the other {1 - share:.0%}",
+        )
+        return
     if tp + ranks > n or n - tp < 1:
         key = "train.num_gpus" if cfg.train.num_gpus is not None and n - tp >= 1 else "extract.mode"
         p.error(
@@ -182,9 +205,10 @@ def plan_online(p: Plan, cfg: RunnerConfig) -> None:
             + (
                 f"lower train.num_gpus to {n - tp}"
                 if key == "train.num_gpus"
-                else "no GPU is left to train on. Extract offline instead "
-                "(extract.mode=offline, extract.storage=fp8 halves the disk), or serve on "
-                "another machine and point hardware.vllm.endpoint at it (README: two boxes)"
+                else "no GPU is left to train on. Share them (extract.share_gpu=0.3 gives the "
+                "server 30% of each GPU's memory and training the rest), extract offline "
+                "instead (extract.mode=offline, extract.storage=fp8 halves the disk), or serve "
+                "on another machine and point hardware.vllm.endpoint at it (README: two boxes)"
             ),
         )
         return

@@ -437,10 +437,18 @@ class ExtractConfig:
     # every epoch again. Online needs backend vllm.
     mode: ExtractMode = ExtractMode.offline
     # vLLM backend: requests in flight, seconds per request, and retries per sample before the
-    # stage fails naming it.
+    # stage fails naming it. (On an H200 with the 135M target the rate was the same from 8 to 256
+    # in flight, about 95 requests/s: benchmarks/vllm_extract_bench.py, docs/benchmarks.md.)
     concurrency: int = 8
+    # Tokens the extraction server runs in one step (vLLM --max-num-batched-tokens; chunked
+    # prefill is off, so a row is never split); null: vLLM's own default.
+    batch_tokens: int | None = None
     request_timeout_s: int = 600
     max_retries: int = 3
+    # Online on a box with no GPU left over for training (e.g. one GPU): the fraction of each
+    # serving GPU's memory the train stage's server may take, training sharing those GPUs with
+    # the rest. null: the server gets GPUs of its own (the last tensor_parallel_size).
+    share_gpu: float | None = None
     # Extract these presets' layers too (a sweep sets the union of its choices here, so that all
     # its jobs share one extraction and each trains on its own slots).
     superset_presets: list[str] = field(default_factory=list)
@@ -453,6 +461,14 @@ class ExtractConfig:
                 "server; use extract=online (backend vllm, mode online) or extract.mode=offline",
             )
         _at_least("extract.concurrency", self.concurrency, 1)
+        if self.batch_tokens is not None:
+            _at_least("extract.batch_tokens", self.batch_tokens, 16)
+        if self.share_gpu is not None and not 0.05 <= self.share_gpu <= 0.9:
+            raise ConfigError(
+                "extract.share_gpu",
+                f"{self.share_gpu} must be between 0.05 and 0.9 (the fraction of each serving "
+                "GPU's memory the online server takes; training gets the rest)",
+            )
         _at_least("extract.request_timeout_s", self.request_timeout_s, 1)
         _at_least("extract.max_retries", self.max_retries, 0)
         unknown = [p for p in self.superset_presets if p not in CAPTURE_PRESETS]
@@ -765,10 +781,20 @@ class RunnerConfig:
         if self.hardware.device == "cpu":
             return self.train.cpu_processes
         n = self.train.num_gpus if self.train.num_gpus is not None else self.hardware.num_gpus
-        if self.train.num_gpus is None and self.serves_while_training():
+        if (
+            self.train.num_gpus is None
+            and self.serves_while_training()
+            and self.extract.share_gpu is None
+        ):
             # The server the train stage starts takes tensor_parallel_size GPUs of the box.
             n = self.hardware.num_gpus - self.hardware.tensor_parallel_size
         return max(n, 1)
+
+    def extract_batch_tokens(self) -> int | None:
+        """Tokens an extraction server runs in one step (at least one row); None: vLLM's."""
+        if self.extract.batch_tokens is None:
+            return None
+        return max(self.extract.batch_tokens, self.data.max_seq_len + 1)
 
     def serves_while_training(self) -> bool:
         """Online training with a server the runner starts on this machine (not an endpoint)."""

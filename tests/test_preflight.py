@@ -369,3 +369,46 @@ def test_kimi_offline_plan_shows_the_write_bandwidth_it_needs(tmp_path, monkeypa
     # blackwell8's planned 10,000 tokens/s x 28,684 bytes/token.
     assert p.numbers["write_bytes_per_s"] == 10_000 * (4 * 7168 + 12)
     assert "273.6 MiB/s at 10,000 tokens/s (hardware.extract_tokens_per_s)" in p.render()
+
+
+def test_online_on_one_gpu_is_refused_unless_the_gpu_is_shared(tmp_path):
+    """One GPU cannot give the online server GPUs of its own: the refusal names the sharing
+    setting; with it, the plan states the server's memory share and training shares the GPU."""
+    one = ["hardware=gpu1", "extract=online", "run.plan_only=true", f"run.output_root={tmp_path}"]
+    with pytest.raises(ConfigError) as info:
+        run_job(compose(one))
+    assert info.value.key == "extract.mode" and "extract.share_gpu=0.3" in str(info.value)
+    result = run_job(compose([*one, "extract.share_gpu=0.3"]))
+    text = result.plan.render()
+    assert "vLLM serves on GPU(s) 0 (TP 1) with 30% of their memory (extract.share_gpu)" in text
+    assert not result.plan.errors
+
+    from runner.online import serving_gpus, sharing_args
+    from runner.schema import typed
+
+    cfg = typed(compose([*one, "extract.share_gpu=0.3"]))
+    assert cfg.train_ranks() == 1 and serving_gpus(cfg) == ["0"]
+    args = sharing_args(cfg, ["--gpu-memory-utilization", "0.85", "--seed", "0"])
+    assert args == ["--gpu-memory-utilization", "0.3", "--seed", "0"]
+    with pytest.raises(ConfigError) as info:
+        run_job(compose([*one, "extract.share_gpu=0.95"]))
+    assert info.value.key == "extract.share_gpu"
+
+
+def test_the_extraction_servers_step_size_is_a_setting_that_holds_a_row(tmp_path):
+    """extract.batch_tokens reaches the server as --max-num-batched-tokens, never below one row
+    (chunked prefill is off, so a longer row could not be scheduled); unset, vLLM decides."""
+    from runner.schema import typed
+    from stages.extract.vllm_backend import server_args
+
+    def cfg(*over):
+        return typed(compose(["extract=vllm", f"run.output_root={tmp_path}", *over]))
+
+    class Facts:
+        extract_ids = (1, 2, 3)
+
+    args = server_args(cfg("extract.batch_tokens=65536"), Facts(), tmp_path)
+    assert args[args.index("--max-num-batched-tokens") + 1] == "65536"
+    short = server_args(cfg("extract.batch_tokens=100"), Facts(), tmp_path)
+    assert short[short.index("--max-num-batched-tokens") + 1] == "513"  # data.max_seq_len + 1
+    assert "--max-num-batched-tokens" not in server_args(cfg(), Facts(), tmp_path)
