@@ -101,3 +101,27 @@ def test_online_training_fetches_from_the_server_and_reads_no_files():
     # The server writes the target's dtype whatever extract.storage says: no fp8 reader.
     assert "hidden_states_backend" not in settings
     assert resolved is not None
+
+
+def test_training_rate_is_the_steady_state_median_not_the_compiling_first_step():
+    """Online and offline training compare by tokens/s after the first step (which compiles for
+    minutes on a GPU), read from speculators' own per-step profile."""
+    from runner.integrations.speculators import summarise
+
+    records = [
+        {"step": 0, "train/loss": 9.0, "profile/tokens_per_s": 50.0, "profile/fetch_frac": 0.9},
+        *(
+            {
+                "step": i,
+                "train/loss": 5.0,
+                "profile/tokens_per_s": 1000.0 + i,
+                "profile/fetch_frac": 0.1,
+            }
+            for i in range(1, 6)
+        ),
+        {"step": 6, "val/loss": 4.0},
+    ]
+    out = summarise(records)
+    assert out["tokens_per_s_median"] == 1003.0 and out["fetch_frac_median"] == 0.1
+    assert out["steps"] == 6 and out["val_loss"] == 4.0 and out["first_loss"] == 9.0
+    assert "tokens_per_s_median" not in summarise(records[:1])

@@ -599,6 +599,15 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
         for k, v in val[-1].items():
             if k.startswith("val/"):
                 out[f"val_{k[4:]}"] = v
+    # Steady state from speculators' per-step profile: the median over the steps after the
+    # first (which compiles), so that online and offline training compare without start-up.
+    for key, name in (
+        ("profile/tokens_per_s", "tokens_per_s"),
+        ("profile/fetch_frac", "fetch_frac"),
+    ):
+        values = sorted(r[key] for r in train[1:] if isinstance(r.get(key), int | float))
+        if values:
+            out[f"{name}_median"] = values[len(values) // 2]
     return out
 
 

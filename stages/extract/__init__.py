@@ -69,6 +69,11 @@ def check_target(cfg: RunnerConfig, target: Target) -> None:
         check_preset(preset, target.facts.num_layers, "extract.superset_presets")
 
 
+def _step(cfg: RunnerConfig) -> str:
+    step = cfg.extract_batch_tokens()
+    return f", steps of up to {step:,} tokens (extract.batch_tokens)" if step else ""
+
+
 def bytes_per_token(slots: int, hidden: int, storage: str, dtype: str) -> int:
     """Bytes one token takes on disk: the states, plus the token id (and fp8's scale)."""
     if storage == "fp8":
@@ -154,8 +159,8 @@ def plan(p: Plan, view: PlanView) -> None:
             "extract backend",
             f"{who} extract_hidden_states with eagle_aux_hidden_state_layer_ids "
             f"{ext}, "
-            f"chunked prefill and prefix caching off, {x.concurrency} requests in flight, "
-            f"{x.max_retries} retries per sample",
+            f"chunked prefill and prefix caching off, {x.concurrency} requests in "
+            f"flight{_step(cfg)}, {x.max_retries} retries per sample",
         )
     else:
         hooks = [f"{w}:{i}" for w, i in (hook_point(k, facts.num_layers) for k in ext)]

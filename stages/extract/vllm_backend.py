@@ -66,9 +66,12 @@ def server_args(cfg: RunnerConfig, facts: ModelFacts, staging: Path) -> list[str
     }
     if cpu:
         kv["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
+    step = cfg.extract_batch_tokens()  # extract.batch_tokens; None: vLLM's default
+    batch = ["--max-num-batched-tokens", str(step)] if step else []
     # Each prepared row plus the one generated token.
     return [
         *engine_args(cfg, cfg.data.max_seq_len + 1),
+        *batch,
         # Both corrupt captured states in some vLLM versions (speculators #279, #283, #994).
         "--no-enable-chunked-prefill",
         "--no-enable-prefix-caching",
@@ -88,6 +91,7 @@ def _run_client(
 ) -> dict[int, str]:
     """speculators' data-generation client against the server; the samples it gave up on."""
     e = cfg.extract
+    concurrency = e.concurrency
     with recording_skips() as rec, quiet_http_logs():
         try:
             generate_offline_data(
@@ -96,15 +100,17 @@ def _run_client(
                 preprocessed_data=str(requests_dir),
                 output=str(out_dir),
                 max_samples=max_samples,
-                concurrency=e.concurrency,
-                validate_outputs=True,
+                concurrency=concurrency,
+                # Every file is read and checked once below (with the statistics); the client's
+                # own check would read each a second time.
+                validate_outputs=False,
                 request_timeout=e.request_timeout_s,
                 max_retries=e.max_retries,
                 fail_on_error=False,
                 # Isolated failures are collected and reported by sample below; this many in a
                 # row (after retries) means the server is gone, and the client stops instead of
                 # retrying every remaining sample against it.
-                max_consecutive_errors=2 * e.concurrency,
+                max_consecutive_errors=2 * concurrency,
                 world_size=1,
                 rank=0,
             )
@@ -212,6 +218,7 @@ def extract(
         )
     # Validate and summarise every file (token ids, length, finite values, slot count), then
     # publish.
+    t_check = time.time()
     for i, ids in enumerate(rows):
         path = done_dir / f"hs_{i}.safetensors"
         data = load_file(str(path))
@@ -248,6 +255,9 @@ def extract(
         "seconds": seconds,
         "tokens_per_s": fresh / seconds if seconds > 0 else float("nan"),
         "server_start_s": start_s,
+        # Reading, checking and summarising every file after the client (not in tokens_per_s).
+        "check_s": time.time() - t_check,
+        "concurrency": float(cfg.extract.concurrency),
         **selftest,
         "resumed_samples": len(before),
         "redone_unreadable": len(unreadable),
