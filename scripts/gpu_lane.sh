@@ -5,10 +5,16 @@
 # session between calls. Usage, one verb per call (docs/gpu.md):
 #   bash scripts/gpu_lane.sh recv            keep the carried piece(s) of .gpu/pieces in /tmp/gpu
 #   bash scripts/gpu_lane.sh setup           join and check the pieces, install the wheels
-#   bash scripts/gpu_lane.sh start [TESTS]   the GPU lane (pytest -m gpu) in its own session
+#   bash scripts/gpu_lane.sh start [TESTS]   the GPU lane (pytest -m gpu) in its own session, in
+#                                            three phases (below), or only TESTS, in one process
+#   bash scripts/gpu_lane.sh bench CMD...    a benchmark (e.g. python -m benchmarks.vllm_extract_bench)
 #   bash scripts/gpu_lane.sh wait SECONDS    until it ends or SECONDS pass; its latest lines
-#   bash scripts/gpu_lane.sh fetch           its log and figures to $OUT
+#   bash scripts/gpu_lane.sh fetch           its logs and figures to $OUT
 #   bash scripts/gpu_lane.sh stop            end the lane and every process it started
+# The phases, to fit 30 minutes of one GPU: (A) the parts that measure no speed, side by side,
+# each vLLM server with 15% of the GPU's memory (EAGLE3_GPU_LANE_OVERRIDES); (B) alone, the
+# figures that are speeds: the pipeline's evaluation (its stages come from A) and extraction
+# vLLM against in-process; (C) the published card's command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 G=/tmp/gpu; mkdir -p $G/pieces
@@ -31,22 +37,60 @@ setup)
   $PY -c "import vllm, torch, transformers, speculators; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tail -2 ;;
 start)
   shift
-  tests=${*:-tests/test_train_resume.py tests/test_gpu_lane.py tests/test_kimi_miniature.py}
-  rm -f $G/lane.rc
-  setsid nohup bash -c "$PY -m pytest -m gpu -v -s -p no:cacheprovider $tests > $G/lane.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &
-  sleep 2; echo "started: $tests" ;;
+  rm -f $G/*.rc $G/a?.log $G/b.log $G/c.log $G/lane.log $G/phases.txt
+  if [ $# -gt 0 ]; then
+    setsid nohup bash -c "$PY -m pytest -m gpu -v -s -p no:cacheprovider $* > $G/lane.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &
+  else
+    setsid nohup bash scripts/gpu_lane.sh phases > /dev/null 2>&1 < /dev/null &
+  fi
+  sleep 2; echo "started: ${*:-all three phases}" ;;
+bench)  # a benchmark in the lane's environment, in its own session: bench python -m benchmarks.X ...
+  shift
+  rm -f $G/*.rc $G/bench.log
+  setsid nohup bash -c "$* > $G/bench.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &
+  sleep 2; echo "started: $*" ;;
+phases)  # what `start` runs in the background: A side by side, then B, then C
+  L=tests/test_gpu_lane.py
+  lane() {  # NAME ROOT TESTS...: one pytest process, its log $G/NAME.log, its exit in NAME.rc
+    local name=$1 root=$2; shift 2
+    EAGLE3_GPU_LANE_ROOT=$root $PY -m pytest -m gpu -v -s -p no:cacheprovider "$@" > $G/$name.log 2>&1
+    echo $? > $G/$name.rc
+  }
+  s=$(date +%s)
+  export EAGLE3_GPU_LANE_OVERRIDES="hardware.vllm_memory_utilization=0.15 hardware.vllm_kv_cache_gib=6"
+  lane a1 $G/root $L::test_the_gpu_recipe_trains_and_keeps_every_epochs_draft \
+    $L::test_the_learning_curve_each_epochs_draft_served &
+  lane a2 $G/root_kimi tests/test_kimi_miniature.py &
+  lane a3 $G/root_a3 $L::test_online_training_shares_the_one_gpu_with_its_server \
+    $L::test_regeneration_through_vllm_on_the_gpu &
+  lane a4 $G/root_a4 $L::test_a_stopped_gpu_training_resumes_and_redoes_no_step \
+    tests/test_train_resume.py &
+  wait; echo "phase A: $(( $(date +%s) - s )) s" > $G/phases.txt
+  unset EAGLE3_GPU_LANE_OVERRIDES
+  lane b $G/root $L::test_the_pipeline_serves_its_draft_warm_and_explains_every_divergence \
+    $L::test_vllm_extraction_matches_the_in_process_backend_on_the_gpu
+  echo "phase B: $(( $(date +%s) - s )) s" >> $G/phases.txt
+  lane c $G/root $L::test_the_published_cards_command_serves_the_draft
+  echo "phase C: $(( $(date +%s) - s )) s" >> $G/phases.txt
+  cat $G/*.rc | sort -u | tail -1 > $G/lane.rc ;;
 wait)
   for _ in $(seq "${2:-1}"); do [ -f $G/lane.rc ] && break; sleep 1; done
-  grep -a "PASSED\|FAILED\|ERROR\|SKIPPED\|GPU-FIGURES\|passed\|failed" $G/lane.log | cut -c1-600 | tail -12
-  echo "--- tail"; tr '\r' '\n' < $G/lane.log | grep -v '^\s*$' | tail -4 | cut -c1-300
+  cat $G/phases.txt 2>/dev/null
+  for f in $G/*.log; do
+    [ "$f" = $G/install.log ] && continue
+    echo "--- $(basename $f) $([ -f ${f%.log}.rc ] && echo "exit $(cat ${f%.log}.rc)" || echo running)"
+    grep -a "PASSED\|FAILED\|ERROR\|passed\|failed" $f | cut -c1-300 | tail -4
+    tr '\r' '\n' < $f | grep -v '^\s*$' | tail -2 | cut -c1-250
+  done
   [ -f $G/lane.rc ] && echo "finished: exit $(cat $G/lane.rc)" || echo running ;;
 fetch)
-  cp $G/lane.log $OUT/ 2>/dev/null
-  grep -a "GPU-FIGURES" $G/lane.log > $OUT/figures.txt 2>/dev/null
+  grep -a "^BENCH" $G/bench.log > $OUT/bench.txt 2>/dev/null
+  for f in $G/*.log $G/phases.txt; do [ -f "$f" ] && [ "$f" != $G/install.log ] && cp "$f" $OUT/; done
+  cat $G/*.log | grep -a "GPU-FIGURES" > $OUT/figures.txt 2>/dev/null
   tar -czf $OUT/logs.tar.gz -C $G --exclude='*.safetensors' --exclude='*.pt' --exclude='*.npy' --exclude='*.arrow' \
     root/store/evaluate root/store/extract 2>/dev/null
   ls -l $OUT ;;
 stop)
-  pkill -f "pytest -m gpu" ; pkill -f "vllm.entrypoints" ; sleep 3; pkill -9 -f "vllm.entrypoints"; echo stopped ;;
-*) sed -n 2,13p "$0"; exit 2 ;;
+  pkill -f "gpu_lane.sh phases"; pkill -f "pytest -m gpu" ; pkill -f "vllm.entrypoints" ; sleep 3; pkill -9 -f "vllm.entrypoints"; echo stopped ;;
+*) sed -n 2,18p "$0"; exit 2 ;;
 esac

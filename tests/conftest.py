@@ -43,6 +43,54 @@ def run_job(node, stages: tuple[Stage, ...] = REGISTRY) -> job.JobResult:
     return job.run_job(node, stages=stages)
 
 
+def gpu_lane_overrides() -> list[str]:
+    """Overrides the GPU lane adds to every GPU run (EAGLE3_GPU_LANE_OVERRIDES, space-separated):
+    scripts/gpu_lane.sh gives each vLLM server a share of the GPU's memory so that the lane's
+    parts that measure no speed run side by side on one GPU."""
+    return os.environ.get("EAGLE3_GPU_LANE_OVERRIDES", "").split()
+
+
+def serve_card(published: Path, log: Path, ready_timeout_s: float) -> dict[str, float]:
+    """The published card's `vllm serve` command for the evaluating machine, pasted as printed
+    (only the port changed), serving `published`: one greedy completion must come back and be
+    drafted for. Returns the server's draft count and its start time."""
+    import itertools
+    import re
+    import shlex
+    import urllib.request
+
+    from runner.vllm_server import VllmServer, free_port
+
+    card = (published / "README.md").read_text()
+    block = card.split("serving this folder:\n\n```bash\n", 1)[1].split("\n```", 1)[0]
+    assert f'"model": "{published.resolve()}"' in block and "--speculative-config" in block
+    words = shlex.split(block)
+    prefix = list(itertools.takewhile(lambda w: re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", w), words))
+    env = dict(w.split("=", 1) for w in prefix)  # the settings' environment, as a shell reads it
+    command = words[len(prefix) :]
+    command[command.index("--port") + 1] = str(free_port())
+    with VllmServer(command, {**os.environ, **env}, log, "card", ready_timeout_s) as server:
+        body = json.dumps(
+            {
+                "model": server.served_model(),
+                "prompt": "Write a haiku about rain.",
+                "max_tokens": 32,
+                "temperature": 0,
+                # A greedy answer may end at once (SmolLM2 on an H200 did): decode 32 tokens,
+                # so that there are steps for the draft to propose in.
+                "ignore_eos": True,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"{server.base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 32
+        drafts = server.spec_decode_counters()["drafts"]
+    assert drafts > 0, "served without its draft"
+    return {"drafts": drafts, "server_start_s": server.start_s}
+
+
 def runner_env() -> dict[str, str]:
     """The environment for a runner subprocess: no sweep parent or tracking URI of the caller."""
     from runner.sweep import PARENT_ENV

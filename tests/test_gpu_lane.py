@@ -2,33 +2,43 @@
 CUDA build, on the embedded default's real target (SmolLM2-135M-Instruct) and real data.
 Skipped cleanly on a machine without a GPU (CI has none).
 
-What it covers, each with the figures it prints for docs/gpu.md:
-- the whole pipeline with the GPU recipe, evaluated with the trained draft: acceptance per set
-  and per position, the warm speed ratio at concurrency 1 and at batch (with its spread), and
-  every output that leaves the target's greedy path explained (near tie or mismatch);
+What it covers, each with the figures it prints (`GPU-FIGURES` lines) for docs/benchmarks.md:
+- the GPU recipe trained with every epoch's draft kept, then the whole pipeline evaluated with
+  the trained draft: acceptance per set and per position, the warm speed ratio at concurrency 1
+  and at batch (with its spread), and every output that leaves the target's greedy path
+  explained (near tie or mismatch);
+- the learning curve: each epoch's draft served, both prompt sets;
 - `extract=vllm` against the in-process backend on the same rows: equal token ids, states within
   bf16 of each other, and both token rates with the server's start apart;
+- online training on the one GPU, the server sharing it (extract.share_gpu), against offline;
 - `regenerate=vllm`: the target's own answers through the server;
+- a GPU training stopped by SIGTERM resumes from its checkpoint and redoes no step;
 - the published card's `vllm serve` command serving the draft.
 The Kimi-K2.5 miniature's GPU test is in tests/test_kimi_miniature.py, the fused loss's in
-tests/test_train_resume.py.
+tests/test_train_resume.py. scripts/gpu_lane.sh runs the parts that measure no speed side by
+side (each server with a share of the memory) and the speed figures alone.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import re
-import shlex
-import urllib.request
+import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import compose, run_job
+from tests.conftest import (
+    compose,
+    gpu_lane_overrides,
+    run_job,
+    run_runner,
+    run_until,
+    serve_card,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,9 +48,12 @@ pytestmark = [
 GPU = [
     "hardware=gpu1",
     "data.num_samples=2000",
-    "train.epochs=2",
+    "train.epochs=3",
+    "train.keep_epoch_drafts=true",
     "eval.num_prompts=80",
+    *gpu_lane_overrides(),
 ]
+UP_TO_TRAIN = "run.stages=[prepare,extract,vocab,train]"
 
 
 def _figures(name: str, values: dict) -> None:
@@ -56,6 +69,34 @@ def root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pipeline(root):
     return run_job(compose([*GPU, f"run.output_root={root}", "run.name=gpu-lane"]))
+
+
+def _train_figures(metrics: dict) -> dict:
+    keep = ("val_", "train_s", "seconds_per_epoch", "tokens_per_s", "fetch_frac", "server_start")
+    return {k: v for k, v in metrics.items() if k.startswith(keep) or k in ("steps", "resumes")}
+
+
+@pytest.fixture(scope="module")
+def trained(root):
+    """The pipeline up to training: the lane's side-by-side part; the evaluation, which measures
+    speed, runs alone later and reuses these stages."""
+    return run_job(compose([*GPU, f"run.output_root={root}", "run.name=gpu-lane", UP_TO_TRAIN]))
+
+
+def test_the_gpu_recipe_trains_and_keeps_every_epochs_draft(trained):
+    run = trained
+    train = run.results["train"]
+    _figures(
+        "train",
+        {
+            **_train_figures(train.metrics),
+            "seconds": {k: r.seconds for k, r in run.results.items()},
+            "extract_tokens_per_s": run.results["extract"].metrics.get("tokens_per_s"),
+        },
+    )
+    manifest = json.loads((train.path / "manifest.json").read_text())
+    assert manifest["epoch_drafts"] == ["epochs/0", "epochs/1", "epochs/2"]
+    assert train.metrics["val_loss_epoch"] < train.metrics["first_loss"]
 
 
 def test_the_pipeline_serves_its_draft_warm_and_explains_every_divergence(pipeline):
@@ -85,11 +126,7 @@ def test_the_pipeline_serves_its_draft_warm_and_explains_every_divergence(pipeli
                     "server_start_s",
                 )
             },
-            "train": {
-                k: v
-                for k, v in pipeline.results["train"].metrics.items()
-                if k.startswith(("val_", "train_s", "seconds_per_epoch"))
-            },
+            "train": _train_figures(pipeline.results["train"].metrics),
             "seconds": {k: r.seconds for k, r in pipeline.results.items()},
         },
     )
@@ -110,7 +147,14 @@ def _cfg():
 
 
 def test_vllm_extraction_matches_the_in_process_backend_on_the_gpu(root):
-    over = [*GPU, f"run.output_root={root}", "data.num_samples=400", "run.stages=[prepare,extract]"]
+    # Rows of their own (not the pipeline's, extracted in the side-by-side phase): both rates
+    # are measured here, in the lane's alone phase.
+    over = [
+        *GPU,
+        f"run.output_root={root}",
+        "data.num_samples=1500",
+        "run.stages=[prepare,extract]",
+    ]
     runs = {b: run_job(compose([*over, f"extract={b}"])) for b in ("transformers", "vllm")}
     arts = {b: r.results["extract"] for b, r in runs.items()}
     figures = {}
@@ -156,31 +200,73 @@ def test_the_published_cards_command_serves_the_draft(pipeline, root, tmp_path):
     """The card's command for the evaluating machine, pasted as printed (only the port
     changed), serves the published folder on the GPU with its draft."""
     from runner.publish import main as publish
-    from runner.vllm_server import VllmServer, free_port
 
     out = tmp_path / "published"
     assert publish([str(out), "--output-root", str(root), "--run", pipeline.run_id]) == 0
-    card = (out / "README.md").read_text()
-    block = card.split("serving this folder:\n\n```bash\n", 1)[1].split("\n```", 1)[0]
-    words = shlex.split(block)
-    prefix = list(itertools.takewhile(lambda w: re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", w), words))
-    env = dict(w.split("=", 1) for w in prefix)
-    command = words[len(prefix) :]
-    command[command.index("--port") + 1] = str(free_port())
-    with VllmServer(command, {**os.environ, **env}, tmp_path / "card.log", "card", 900) as server:
-        body = json.dumps(
-            {
-                "model": server.served_model(),
-                "prompt": "Write a haiku about rain.",
-                "max_tokens": 32,
-                "temperature": 0,
-            }
-        ).encode()
-        request = urllib.request.Request(
-            f"{server.base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=120) as r:
-            assert json.loads(r.read())["choices"][0]["text"]
-        drafts = server.spec_decode_counters()["drafts"]
-    _figures("card", {"drafts": drafts, "server_start_s": server.start_s})
-    assert drafts > 0, "served without its draft"
+    _figures("card", serve_card(out, tmp_path / "card.log", 900))
+
+
+def test_the_learning_curve_each_epochs_draft_served(trained, root):
+    """Served acceptance for every epoch's draft of the GPU-recipe run, both prompt sets (the
+    draft alone: no speed or identity, which the pipeline's evaluation measures)."""
+    train = trained.results["train"]
+    curve = {}
+    for rel in json.loads((train.path / "manifest.json").read_text())["epoch_drafts"]:
+        over = [
+            *GPU,
+            f"run.output_root={root}",
+            f"eval.draft={train.path / rel}",
+            "eval.compare_target=false",
+            "run.stages=[evaluate]",
+        ]
+        ev = run_job(compose(over)).results["evaluate"]
+        curve[rel] = ev.stage.results(ev.metrics, _cfg())
+    _figures("learning_curve", curve)
+    first, last = (curve[k][0]["acceptance_length"] for k in (min(curve), max(curve)))
+    assert last >= first - 0.05, curve  # more tokens trained does not make the draft worse
+
+
+def test_online_training_shares_the_one_gpu_with_its_server(root):
+    """extract=online on one GPU: the server takes extract.share_gpu of its memory and training
+    the rest; its steady training rate against the offline pipeline's."""
+    over = [
+        *GPU,
+        f"run.output_root={root}",
+        "extract=online",
+        "extract.share_gpu=0.15",
+        "train.epochs=1",
+        "train.keep_epoch_drafts=false",
+        UP_TO_TRAIN,
+    ]
+    run = run_job(compose(over))
+    m = run.results["train"].metrics
+    _figures("online", _train_figures(m))
+    served = json.loads((run.results["train"].path / "manifest.json").read_text())["served"]
+    assert served["gpus"] == ["0"] and "0.15" in served["server_args"]
+    assert m["steps"] > 0 and m["tokens_per_s_median"] > 0
+
+
+def test_a_stopped_gpu_training_resumes_and_redoes_no_step(root, tmp_path):
+    """SIGTERM in a GPU-recipe training: the runner checkpoints and exits 143; the same command
+    resumes mid-run on the GPU and redoes no step."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "runner",
+        *GPU,
+        f"run.output_root={tmp_path}",
+        "data.num_samples=400",
+        "train.epochs=2",
+        "train.keep_epoch_drafts=false",
+        "train.checkpoint_every=0.25",
+        "train.echo_steps=true",
+        UP_TO_TRAIN,
+    ]
+    code, out = run_until(cmd, "'global_step': 20", signal.SIGTERM, timeout=900)
+    assert code == 143, out[-3000:]
+    proc = run_runner(cmd, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (art,) = [p for p in (tmp_path / "store" / "train").iterdir() if not p.name.startswith(".")]
+    m = json.loads((art / "manifest.json").read_text())["metrics"]
+    _figures("resume", _train_figures(m) | {"steps_redone": m["steps_redone"]})
+    assert (m["resumes"], m["steps_redone"]) == (1, 0)

@@ -15,17 +15,13 @@ Tolerances, stated:
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import re
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from runner.errors import StageError
-from tests.conftest import REPO, compose, run_job
+from tests.conftest import REPO, compose, run_job, serve_card
 
 pytestmark = pytest.mark.vllm
 
@@ -159,33 +155,10 @@ def test_a_published_draft_serves_with_the_command_in_its_card(runs, root, tmp_p
     """The card's command for the evaluating machine, pasted as printed (only the port changed),
     serves the published folder: vLLM loads it as an EAGLE-3 speculator and counts drafts."""
     from runner.publish import main as publish
-    from runner.vllm_server import VllmServer, free_port
 
     out = tmp_path / "published"
     assert publish([str(out), "--output-root", str(root), "--run", runs["vllm"].run_id]) == 0
-    card = (out / "README.md").read_text()
-    block = card.split("serving this folder:\n\n```bash\n", 1)[1].split("\n```", 1)[0]
-    assert f'"model": "{out.resolve()}"' in block and "--speculative-config" in block
-    words = shlex.split(block)
-    prefix = list(itertools.takewhile(lambda w: re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", w), words))
-    env = dict(w.split("=", 1) for w in prefix)  # the settings' environment, as a shell reads it
-    command = words[len(prefix) :]
-    command[command.index("--port") + 1] = str(free_port())
-    with VllmServer(command, {**os.environ, **env}, tmp_path / "card.log", "card", 600) as server:
-        body = json.dumps(
-            {
-                "model": server.served_model(),
-                "prompt": "Write a haiku about rain.",
-                "max_tokens": 32,
-                "temperature": 0,
-            }
-        ).encode()
-        request = urllib.request.Request(
-            f"{server.base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=120) as r:
-            assert json.loads(r.read())["choices"][0]["text"]
-        assert server.spec_decode_counters()["drafts"] > 0, "served without its draft"
+    serve_card(out, tmp_path / "card.log", 600)
 
 
 def test_a_draft_packed_here_and_unpacked_elsewhere_evaluates_alike(runs, root, tmp_path):
