@@ -21,10 +21,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
+import os
+import shutil
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -150,6 +154,31 @@ def _at_least(key: str, value: int | float, low: int | float) -> None:
         raise ConfigError(key, f"{value} must be >= {low}")
 
 
+# Seeds reach numpy and torch, which take 0..2**32-1.
+SEED_MAX = 2**32 - 1
+
+
+def _seed(key: str, value: int) -> None:
+    if not 0 <= value <= SEED_MAX:
+        raise ConfigError(key, f"{value} must be in 0..{SEED_MAX} (numpy's and torch's seed range)")
+
+
+def _finite(key: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(key, f"{value} must be a finite number")
+
+
+def path_component(key: str, value: str | None) -> None:
+    """A setting the runner uses as one folder name: not empty, no separator, not . or ..."""
+    text = (value or "").strip()
+    if not text or text in (".", "..") or "/" in text or "\\" in text or "\0" in text:
+        raise ConfigError(
+            key,
+            f"{value!r} is used as a folder name: give one non-empty name without '/' or '\\' "
+            "(and not '.' or '..')",
+        )
+
+
 def _above(key: str, value: int | float, low: int | float) -> None:
     if value <= low:
         raise ConfigError(key, f"{value} must be > {low}")
@@ -203,7 +232,9 @@ class ModelConfig:
     max_context: int | None = None
 
     def check(self) -> None:
+        path_component("model.name", self.name)
         if self.weights_gib is not None:
+            _finite("model.weights_gib", self.weights_gib)
             _above("model.weights_gib", self.weights_gib, 0)
         if self.max_context is not None:
             _at_least("model.max_context", self.max_context, 16)
@@ -245,9 +276,23 @@ class VllmLaunchConfig:
     def check(self) -> None:
         _at_least("hardware.vllm.ready_timeout_s", self.ready_timeout_s, 1)
         _at_least("hardware.vllm.stop_timeout_s", self.stop_timeout_s, 1)
+        if self.command:
+            exe = self.command[0]
+            if not (shutil.which(exe) or Path(exe).expanduser().is_file()):
+                raise ConfigError(
+                    "hardware.vllm.command",
+                    f"{exe!r} is neither a file nor a command on PATH; give the python (or "
+                    "container command) that runs vLLM, or [] for this environment's",
+                )
         if self.endpoint is not None:
-            url = urllib.parse.urlsplit(self.endpoint)
-            if url.scheme not in ("http", "https") or not url.hostname or url.port is None:
+            try:  # a port out of range, not a number or a malformed IPv6 host raise here
+                url = urllib.parse.urlsplit(self.endpoint)
+                port, host = url.port, url.hostname
+            except ValueError as exc:
+                raise ConfigError(
+                    "hardware.vllm.endpoint", f"{self.endpoint!r} is not a valid URL ({exc})"
+                ) from None
+            if url.scheme not in ("http", "https") or not host or port is None:
                 raise ConfigError(
                     "hardware.vllm.endpoint",
                     f"{self.endpoint!r} is not http://host:port (the server's address, without "
@@ -312,10 +357,31 @@ class HardwareConfig:
                 f"{self.vllm_memory_utilization} must be in (0, 1]",
             )
         if self.vllm_kv_cache_gib is not None:
+            _finite("hardware.vllm_kv_cache_gib", self.vllm_kv_cache_gib)
             _above("hardware.vllm_kv_cache_gib", self.vllm_kv_cache_gib, 0)
         if self.gpu_memory_gib is not None:
             _above("hardware.gpu_memory_gib", self.gpu_memory_gib, 0)
+        kv, room = self.vllm_kv_cache_gib, _memory_gib(self)
+        if kv is not None and room is not None and kv > room * self.vllm_memory_utilization:
+            where = "one GPU" if self.device == Device.cuda else "this machine's RAM"
+            raise ConfigError(
+                "hardware.vllm_kv_cache_gib",
+                f"{kv:g} GiB of KV cache is more than {where} gives vLLM ({room:.0f} GiB x "
+                f"hardware.vllm_memory_utilization {self.vllm_memory_utilization:g}); the server "
+                "would fail at start, after the earlier stages",
+            )
         self.vllm.check()
+
+
+def _memory_gib(hw: HardwareConfig) -> float | None:
+    """Memory the KV cache competes for: one GPU's (hardware.gpu_memory_gib, when given), or on
+    CPU this machine's RAM."""
+    if hw.device == Device.cuda:
+        return hw.gpu_memory_gib
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return None
 
 
 @dataclass
@@ -378,11 +444,17 @@ class DataConfig:
         _at_least("data.num_samples", self.num_samples, 1)
         if self.num_proc is not None:
             _at_least("data.num_proc", self.num_proc, 1)
-        _at_least("data.seed", self.seed, 0)
+        _seed("data.seed", self.seed)
         _at_least("data.min_assistant_tokens", self.min_assistant_tokens, 0)
         if self.max_seq_len < 16:
             raise ConfigError(
                 "data.max_seq_len", f"{self.max_seq_len} is too short for a chat turn"
+            )
+        if self.min_assistant_tokens >= self.max_seq_len:
+            raise ConfigError(
+                "data.min_assistant_tokens",
+                f"{self.min_assistant_tokens} supervised tokens cannot fit a row of "
+                f"data.max_seq_len={self.max_seq_len} tokens with its prompt: no row would be kept",
             )
         if self.sources and self.source:
             raise ConfigError(
@@ -407,6 +479,7 @@ def _check_sources(d: DataConfig) -> None:
         if s.num_samples is not None:
             _at_least(f"{key}.num_samples", s.num_samples, 1)
         if s.weight is not None:
+            _finite(f"{key}.weight", s.weight)
             _above(f"{key}.weight", s.weight, 0)
     if any(counted) and not all(counted):
         raise ConfigError(
@@ -542,7 +615,7 @@ class TrainConfig:
         if self.total_seq_len is not None:
             _at_least("train.total_seq_len", self.total_seq_len, 16)
         _within("train.warmup_ratio", self.warmup_ratio, 0.0, 1.0)
-        _at_least("train.seed", self.seed, 0)
+        _seed("train.seed", self.seed)
         _at_least("train.num_workers", self.num_workers, 0)
         _at_least("train.cpu_processes", self.cpu_processes, 1)
         _at_least("train.stop_timeout_s", self.stop_timeout_s, 1)
@@ -593,6 +666,7 @@ class RegenerateConfig:
     continuous_batching: bool = False
 
     def check(self) -> None:
+        _seed("regenerate.seed", self.seed)
         if self.temperature < 0:
             raise ConfigError("regenerate.temperature", f"{self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
