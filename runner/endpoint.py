@@ -69,28 +69,36 @@ def inspect(endpoint: str, timeout: float = 10.0) -> EndpointInfo | str:
     base = endpoint.rstrip("/")
     try:
         _get(base + "/health", timeout)
-        models = json.loads(_get(base + "/v1/models", timeout)).get("data") or []
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        answer = json.loads(_get(base + "/v1/models", timeout))
+    except (urllib.error.URLError, OSError, ValueError, RecursionError) as exc:
         return f"does not answer ({getattr(exc, 'reason', exc)})"
+    models = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        return "answers /v1/models with something other than OpenAI's model list: not vLLM?"
     if not models:
         return "answers but serves no model"
+    first = models[0]
+    length = first.get("max_model_len")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
+        return f"answers /v1/models with max_model_len {length!r}, not a number: not vLLM?"
     info = EndpointInfo(
         url=base,
-        model_id=models[0].get("id", ""),
-        model_root=models[0].get("root") or models[0].get("id", ""),
-        max_model_len=models[0].get("max_model_len"),
+        model_id=str(first.get("id", "")),
+        model_root=str(first.get("root") or first.get("id", "")),
+        max_model_len=length,
     )
-    with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
-        info.version = json.loads(_get(base + "/version", timeout)).get("version", "unknown")
+    with contextlib.suppress(urllib.error.URLError, OSError, ValueError, AttributeError):
+        info.version = str(json.loads(_get(base + "/version", timeout)).get("version", "unknown"))
     try:
         body = {"model": info.model_id, "prompt": PROBE_TEXT, "add_special_tokens": False}
-        info.tokens = json.loads(_post(base + "/tokenize", body, timeout))["tokens"]
-    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        info.tokens = list(json.loads(_post(base + "/tokenize", body, timeout))["tokens"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
         info.notes.append("/tokenize did not answer: the tokenizer was not compared")
     try:
         raw = _get(base + "/server_info?config_format=json", timeout)
-        info.config = json.loads(raw).get("vllm_config")
-    except (urllib.error.URLError, OSError, ValueError):
+        config = json.loads(raw).get("vllm_config")
+        info.config = config if isinstance(config, dict) else None
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
         pass
     try:
         positions = set()

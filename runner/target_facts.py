@@ -122,6 +122,40 @@ def model_source(model_cfg: ModelConfig, output_root: Path) -> ModelSource:
     return ModelSource("hub", source)
 
 
+def read_json_object(path: Path, key: str) -> dict[str, Any]:
+    """A JSON file that must hold one object (a config.json): any other content is refused
+    naming the file and the key that points at it, instead of a traceback."""
+    try:
+        value = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ConfigError(key, f"{path} is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            key, f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+        ) from None
+    except RecursionError:
+        raise ConfigError(key, f"{path} nests too deeply to read") from None
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read {path}: {exc.strerror or exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(
+            key, f"{path} holds a JSON {type(value).__name__}, not an object of settings"
+        )
+    return value
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf(path: Path, key: str) -> None:
+    """A GGUF file starts with the magic bytes `GGUF` (then its version): anything else would
+    fail deep inside the GGUF reader."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    if head[:4] != GGUF_MAGIC:
+        raise ConfigError(key, f"{path} is not a GGUF file (it does not start with 'GGUF')")
+
+
 def _sha(*parts: Any) -> str:
     h = hashlib.sha256()
     for part in parts:
@@ -145,13 +179,23 @@ def read_target_config(
         converted = Path(src.load_path) / "config.json"
         remembered = cache_dir / "gguf_configs" / f"{ident}.json" if cache_dir else None
         if converted.is_file():
-            config = json.loads(converted.read_text())
+            config = read_json_object(converted, "model.name")
         elif remembered is not None and remembered.is_file():
-            config = json.loads(remembered.read_text())
+            config = read_json_object(remembered, "model.gguf_file")
         else:
             from transformers import AutoConfig  # slow import, needed only before conversion
 
-            config = AutoConfig.from_pretrained(src.gguf.parent, gguf_file=src.gguf.name).to_dict()
+            check_gguf(src.gguf, "model.gguf_file")
+            try:
+                config = AutoConfig.from_pretrained(
+                    src.gguf.parent, gguf_file=src.gguf.name
+                ).to_dict()
+            except Exception as exc:  # the GGUF reader's errors are many and untyped
+                raise ConfigError(
+                    "model.gguf_file",
+                    f"{src.gguf}: transformers cannot read its metadata "
+                    f"({type(exc).__name__}: {str(exc)[:200]})",
+                ) from None
             if remembered is not None:
                 remembered.parent.mkdir(parents=True, exist_ok=True)
                 tmp = remembered.with_suffix(f".tmp{os.getpid()}")
@@ -160,7 +204,7 @@ def read_target_config(
         return config, _sha(ident, template), ident
     if src.kind == "local":
         path = Path(src.load_path)
-        config = json.loads((path / "config.json").read_text())
+        config = read_json_object(path / "config.json", "model.source")
         tok = _sha(
             *[
                 n.encode() + (path / n).read_bytes()
@@ -183,7 +227,7 @@ def read_target_config(
             f"cannot read config.json of hub model {src.load_path!r} ({type(exc).__name__}); "
             "download the model or point model.source at a local folder",
         ) from None
-    config = json.loads(Path(cfg_file).read_text())
+    config = read_json_object(Path(cfg_file), "model.source")
     ident = _sha(src.load_path, model_cfg.revision)
     return config, _sha(ident, template), ident
 
@@ -200,7 +244,7 @@ def remote_code_reasons(config: dict[str, Any], model_path: str) -> tuple[str, .
         )
     tok_cfg = Path(model_path) / "tokenizer_config.json"
     if tok_cfg.is_file():
-        auto = json.loads(tok_cfg.read_text()).get("auto_map") or {}
+        auto = read_json_object(tok_cfg, "model.source").get("auto_map") or {}
         if "AutoTokenizer" in auto:
             reasons.append(
                 f"tokenizer_config.json maps AutoTokenizer to {auto['AutoTokenizer'][0]}"
