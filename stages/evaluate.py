@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.assets import load_prompt_sets
-from runner.errors import StageError
+from runner.errors import ConfigError, StageError
 from runner.integrations.speculators import recorded_settings, resolve_train_config
 from runner.schema import RunnerConfig, prompt_set_name
 from runner.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
@@ -708,6 +708,11 @@ def plan(p: Plan, view: PlanView) -> None:
                 "not measured: the server at hardware.vllm.endpoint serves the draft only, and "
                 "the target alone or a random draft would need servers of their own",
             )
+    # Every prompt file is read now (exists, parses, has the fields), not after training.
+    try:
+        load_prompt_sets(cfg.eval)
+    except ConfigError as exc:
+        p.error(exc.key, exc.message)
     context = cfg.model.max_context or target_context(view.target.config)
     if context and cfg.eval.max_model_len > context:
         p.error(

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import logging
 import os
+import shutil
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -44,7 +45,7 @@ from runner.layout import RunLayout
 from runner.mixing import Source, about, interleave, key_of, sources
 from runner.schema import RunnerConfig
 from runner.stage import Plan, PlanView, Stage, StageContext
-from runner.target_facts import ModelFacts, Target, target_context
+from runner.target_facts import ModelFacts, Target, model_source, target_context
 
 log = logging.getLogger("runner")
 
@@ -479,13 +480,114 @@ def _plan_source(p: Plan, src: Source, cache: Path) -> None:
 
 
 def check_target(cfg: RunnerConfig, target: Target) -> None:
-    """A row must fit the target's context."""
+    """A row must fit the target's context; the tokenizer the stage will use must load, render
+    one chat turn with its template, fit that turn in a row, and not know more tokens than the
+    target's embedding table has rows."""
     context = cfg.model.max_context or target_context(target.config)
     if context and cfg.data.max_seq_len > context:
         raise ConfigError(
             "data.max_seq_len",
             f"{cfg.data.max_seq_len} exceeds the target's context of {context} tokens (config.json "
             "max_position_embeddings; model.max_context overrides it)",
+        )
+    check_tokenizer(cfg, target)
+
+
+# One chat turn, the least a row must hold.
+ONE_TURN = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+
+
+def _tokenizer_file(name: str) -> bool:
+    return name.startswith(("tokenizer", "vocab.", "merges.txt")) or name.endswith(
+        (".model", ".tiktoken")
+    )
+
+
+def _gguf_tokenizer(cfg: RunnerConfig) -> tuple[Any, Path] | None:
+    """A packaged GGUF before its conversion: the tokenizer it holds (seconds to read)."""
+    from transformers import AutoTokenizer
+
+    root = Path(cfg.run.output_root).expanduser()
+    src = model_source(cfg.model, root)
+    if src.kind != "package" or src.gguf is None:
+        return None
+    # Read from the GGUF once (seconds), then from a plain copy under the root's cache.
+    kept = RunLayout(root).cache / "gguf_tokenizers" / f"{src.gguf.name}-{src.gguf.stat().st_size}"
+    if (kept / "tokenizer_config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(str(kept))
+    else:
+        tok = AutoTokenizer.from_pretrained(str(src.gguf.parent), gguf_file=src.gguf.name)
+        tmp = kept.with_name(f"{kept.name}.tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        if kept.exists():  # another plan kept it first
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.rename(kept)
+    if cfg.model.chat_template:
+        tok.chat_template = cfg.model.chat_template
+    return tok, src.gguf
+
+
+def check_tokenizer(cfg: RunnerConfig, target: Target) -> None:
+    path = Path(target.facts.path)
+    if not path.is_dir():
+        try:
+            found = _gguf_tokenizer(cfg)
+        except Exception as exc:  # the GGUF reader's errors are many and untyped
+            raise ConfigError(
+                "model.gguf_file",
+                f"the tokenizer in the GGUF does not load ({type(exc).__name__}: {exc})",
+            ) from None
+        if found is not None:
+            _check_rendering(cfg, target, *found)
+        return
+    names = {f.name for f in path.iterdir()}
+    if not any(_tokenizer_file(n) for n in names):
+        raise ConfigError(
+            "model.source",
+            f"{path} has no tokenizer files (tokenizer.json, tokenizer_config.json, ...): "
+            "prepare could not tokenize the data",
+        )
+    custom = any("AutoTokenizer" in r for r in target.remote_code_reasons)
+    if custom and not any(n.startswith("tokenization_") and n.endswith(".py") for n in names):
+        return  # its code is not in the folder (a config-only copy): nothing to load here
+    try:
+        tok = _tokenizer(str(path), cfg.model.trust_remote_code, cfg.model.chat_template)
+    except Exception as exc:  # transformers raises many kinds for a broken tokenizer
+        raise ConfigError(
+            "model.source",
+            f"the tokenizer at {path} does not load ({type(exc).__name__}: {str(exc)[:200]})",
+        ) from None
+    _check_rendering(cfg, target, tok, path)
+
+
+def _check_rendering(cfg: RunnerConfig, target: Target, tok: Any, path: Path) -> None:
+    key = "model.chat_template" if cfg.model.chat_template else "model.source"
+    if not tok.chat_template:
+        raise ConfigError(
+            "model.chat_template", f"the tokenizer at {path} has no chat template; set one"
+        )
+    kwargs = {**cfg.model.chat_template_kwargs, **cfg.data.chat_template_kwargs}
+    try:
+        ids = render(tok, ONE_TURN, False, kwargs)
+    except Exception as exc:  # Jinja syntax and runtime errors, missing variables
+        raise ConfigError(
+            key, f"the chat template does not render a conversation ({type(exc).__name__}: {exc})"
+        ) from None
+    need = len(ids) + 1
+    if cfg.data.max_seq_len < need:
+        raise ConfigError(
+            "data.max_seq_len",
+            f"{cfg.data.max_seq_len} tokens cannot hold one chat turn: the template renders "
+            f"'Hi?' / 'Hello.' in {len(ids)} tokens",
+        )
+    rows = target.facts.vocab_size
+    if rows and len(tok) > rows:
+        raise ConfigError(
+            "model.source",
+            f"the tokenizer at {path} has {len(tok)} tokens but the target's embedding table "
+            f"has {rows} rows (config.json vocab_size): token ids >= {rows} would crash the "
+            "target's forward in extract",
         )
 
 

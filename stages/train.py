@@ -56,7 +56,7 @@ from runner.launch import resume_hint, run_ranks
 from runner.online import hidden_state_server, plan_online
 from runner.schema import RunnerConfig
 from runner.stage import EXTRACTION, Plan, PlanView, ServerNeed, Stage, StageContext
-from runner.store import fmt_bytes
+from runner.store import fmt_bytes, free_bytes
 from runner.target_facts import ModelFacts, target_hub_id
 from runner.vllm_server import quiet_http_logs
 from stages.extract.vllm_backend import server_args
@@ -304,6 +304,22 @@ def plan(p: Plan, view: PlanView) -> None:
     params = draft_params(cfg, view.target)
     aux = len(view.target.facts.aux_layers)
     p.numbers["draft_params"] = params
+    if t.num_layers > layout.num_layers:
+        p.error(
+            "train.num_layers",
+            f"a draft of {t.num_layers} layers is deeper than the target ({layout.num_layers}): "
+            "it would be slower than the target it drafts for (EAGLE-3 drafts have 1 to 2)",
+        )
+    if t.keep_epoch_drafts and view.actions.get("train") == "run":
+        # Each kept draft in bf16, next to the artifact's own and a resumable checkpoint.
+        need, free = (t.epochs + 2) * params * 2, free_bytes(view.output_root)
+        p.numbers["epoch_drafts_bytes"] = need
+        if free is not None and need > free:
+            p.error(
+                "train.keep_epoch_drafts",
+                f"{t.epochs} epochs' drafts need ~{fmt_bytes(need)} but {view.output_root} has "
+                f"{fmt_bytes(free)} free; keep fewer (fewer train.epochs) or set it false",
+            )
     p.add(
         "draft",
         f"{t.num_layers} layer(s), fc {aux}x{h}->{h}, draft vocab {vd} of {layout.vocab_size}, "
