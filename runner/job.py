@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.assets import resolve_model
 from runner.checks import check_config, check_target
+from runner.errors import ConfigError, StageError
 from runner.interrupts import as_interrupted, stop_on_signals
 from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, PLOTTED_TAG, RESULTS_FILE, SERIES_TAG
 from runner.layout import RunLayout
@@ -45,6 +46,8 @@ from runner.tracking import Tracker, process_tags, tracking_uri
 from runner.versions import TRACKED, versions
 
 log = logging.getLogger("runner")
+# Set: an unexpected error while planning shows its traceback instead of one line.
+TRACEBACK_ENV = "EAGLE3_RUNNER_TRACEBACK"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -174,7 +177,15 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         tracker = Tracker(cfg.tracking, output_root)
     except Exception as exc:
         _record_failed_sweep_job(node, exc)
-        raise
+        if isinstance(exc, ConfigError | StageError) or os.environ.get(TRACEBACK_ENV):
+            raise
+        # Before any stage runs, what fails is reading the user's config, files or servers'
+        # answers: one line, never a traceback (EAGLE3_RUNNER_TRACEBACK=1 shows where).
+        raise ConfigError(
+            "run",
+            f"the plan could not read its inputs: {type(exc).__name__}: {str(exc)[:300]} "
+            f"(set {TRACEBACK_ENV}=1 for the traceback)",
+        ) from exc
 
     pipeline.tracker = tracker
     pipeline.disk_needs = {

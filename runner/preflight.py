@@ -23,6 +23,7 @@ from runner import endpoint
 from runner.integrations.vllm import (
     MIN_VLLM,
     MIN_VLLM_DEFAULT,
+    engine_args_problem,
     known_limits,
     unchecked,
     vllm_eagle3_support,
@@ -141,6 +142,10 @@ def _engine_lines(
         return
     if why:
         plan.warn("hardware.vllm.allow_unchecked_version", f"{why}; running it as asked")
+    extra = list(cfg.hardware.vllm.extra_args)
+    refused = engine_args_problem(extra, have) if extra and not cfg.hardware.vllm.endpoint else None
+    if refused:
+        plan.error("hardware.vllm.extra_args", f"vLLM {have}'s own parser refuses them: {refused}")
     support = vllm_eagle3_support(arch, have)
     if support is None:
         plan.warn("run.stages", f"could not ask vLLM {have} whether {arch} supports EAGLE-3")
@@ -365,7 +370,7 @@ def _gpu_lines(plan: Plan, cfg: RunnerConfig, runs_stages: bool) -> None:
 def _tracking_lines(plan: Plan, cfg: RunnerConfig, output_root: Path) -> None:
     """The MLflow store must answer before any stage runs, within tracking.connect_timeout_s."""
     uri = tracking_uri(cfg.tracking.uri, output_root)
-    problem = check_store(uri, cfg.tracking.connect_timeout_s)
+    problem = check_store(uri, cfg.tracking.connect_timeout_s, cfg.tracking.experiment)
     plan.add("tracking", f"{uri}" + (f" ({problem})" if problem else ""))
     if problem:
         plan.error("tracking.uri", f"{uri}: {problem}")

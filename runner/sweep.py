@@ -78,7 +78,9 @@ class SweepCallback(Callback):
         import mlflow  # seconds to import; a plain run never needs it here
 
         uri, root = _tracking(config)
-        problem = check_store(uri, float(config.tracking.connect_timeout_s))
+        problem = check_store(
+            uri, float(config.tracking.connect_timeout_s), str(config.tracking.experiment)
+        )
         if problem:  # before MLflow's own client retries for minutes
             print(f"config error: tracking.uri: {uri}: {problem}", file=sys.stderr)
             sys.exit(2)

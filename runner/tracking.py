@@ -104,15 +104,34 @@ def _sqlite_lock(uri: str) -> Iterator[None]:
                 path.unlink()  # while held: a waiter then opens a fresh one (filelock checks)
 
 
-def check_store(uri: str, timeout_s: float) -> str | None:
+# The schemes MLflow's tracking client serves; a database scheme also needs its driver.
+TRACKING_SCHEMES = ("http", "https", "sqlite", "file", "", "databricks", "databricks-uc")
+DATABASE_SCHEMES = ("postgresql", "mysql", "mssql")
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def check_store(uri: str, timeout_s: float, experiment: str | None = None) -> str | None:
     """Why the MLflow store at `uri` cannot be used, or None. An HTTP server must answer its
     /health endpoint within `timeout_s` (MLflow's own client retries for minutes); a SQLite or
-    file store's folder must be writable. Other schemes are not checked."""
+    file store's folder must be writable, an existing SQLite file must be a database, and
+    `experiment` must not be deleted there; a database URI needs its driver installed; a scheme
+    MLflow cannot track to is refused."""
     import urllib.error
     import urllib.parse
     import urllib.request
 
-    parsed = urllib.parse.urlparse(uri)
+    try:
+        parsed = urllib.parse.urlparse(uri)
+    except ValueError as exc:
+        return f"not a valid URI ({exc})"
+    scheme = parsed.scheme.split("+", 1)[0]
+    if scheme in DATABASE_SCHEMES:
+        return _database_driver(uri)
+    if scheme not in TRACKING_SCHEMES:
+        return (
+            f"MLflow cannot track to a {parsed.scheme!r} URI; use http(s)://host:port, "
+            "sqlite:////path/mlflow.db, a file folder, or a postgresql/mysql/mssql database"
+        )
     if parsed.scheme in ("http", "https"):
         try:
             urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
@@ -127,11 +146,61 @@ def check_store(uri: str, timeout_s: float) -> str | None:
     if parsed.scheme in ("sqlite", "file", ""):
         # sqlite:////abs/mlflow.db -> /abs/mlflow.db; sqlite:///rel.db -> rel.db (relative)
         sqlite = parsed.scheme == "sqlite"
-        folder = Path(uri[len("sqlite:///") :]).parent if sqlite else Path(parsed.path)
+        path = Path(uri[len("sqlite:///") :]) if sqlite else Path(parsed.path)
+        if sqlite and path.is_file():
+            problem = _sqlite_store(path, experiment)
+            if problem:
+                return problem
+        folder = path.parent if sqlite else path
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
         if not os.access(folder, os.W_OK | os.X_OK):
             return f"{folder} is not writable by this user"
+    return None
+
+
+def _database_driver(uri: str) -> str | None:
+    """A database store needs SQLAlchemy's dialect and its driver here."""
+    from sqlalchemy.engine import make_url  # MLflow's own dependency
+
+    try:
+        dialect = make_url(uri).get_dialect()
+        (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()  # imports the driver
+    except Exception as exc:  # ArgumentError, NoSuchModuleError, ModuleNotFoundError
+        return (
+            f"this environment cannot open that database ({type(exc).__name__}: {exc}); "
+            "install its driver (e.g. psycopg2-binary for postgresql, pymysql for mysql)"
+        )
+    return None
+
+
+def _sqlite_store(path: Path, experiment: str | None) -> str | None:
+    """An existing SQLite store: a database, where the experiment is not deleted."""
+    import sqlite3
+
+    try:
+        with open(path, "rb") as fh:
+            header = fh.read(len(SQLITE_HEADER))
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    if header and header != SQLITE_HEADER:
+        return f"{path} is not an SQLite database (MLflow's store); move it away or pick another"
+    if not header or experiment is None:
+        return None
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            row = db.execute(
+                "SELECT experiment_id, lifecycle_stage FROM experiments WHERE name = ?",
+                (experiment,),
+            ).fetchone()
+    except sqlite3.Error:
+        return None  # an empty or older store: MLflow creates or migrates it
+    if row and row[1] == "deleted":
+        return (
+            f"experiment {experiment!r} is deleted in {path} (it stays until purged, and its name "
+            f"with it): restore it (MLFLOW_TRACKING_URI=sqlite:///{path} mlflow experiments "
+            f"restore --experiment-id {row[0]}) or set tracking.experiment to another name"
+        )
     return None
 
 

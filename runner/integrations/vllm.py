@@ -139,3 +139,55 @@ def vllm_eagle3_support(architecture: str, version: str) -> dict[str, Any] | Non
     except OSError:
         pass
     return answer
+
+
+# vLLM's own server argument parser, asked in a child process: its module moved between
+# versions (0.26: entrypoints.openai.cli_args; 0.32: entrypoints.launchers.cli_args).
+_PARSE = """
+import sys
+try:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(sys.argv[1:])
+print("ok")
+"""
+
+
+def engine_args_problem(args: list[str], version: str) -> str | None:
+    """Why vLLM's own parser refuses `args` (hardware.vllm.extra_args), or None. Remembered per
+    vLLM version and arguments in the user's cache (the child process takes seconds)."""
+    cache = _cache_file()
+    key = f"args:{version}:{json.dumps(args)}"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _PARSE, "--model", "x", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except (subprocess.SubprocessError, OSError):
+        return None  # not asked: the server's start will say
+    if proc.returncode == 0:
+        answer = None
+    else:
+        errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+        answer = errors[-1].split("error:", 1)[1].strip() if errors else None
+        if answer is None:
+            return None  # it failed for another reason: not the arguments' fault
+    known[key] = answer
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return answer
