@@ -63,3 +63,47 @@ def test_a_server_hiding_its_config_is_judged_by_its_metrics():
         check(info(spec_positions=5), DRAFT, k=3)
     )
     assert ("error", "hardware.vllm.endpoint") in keys(check(info(), DRAFT, k=3))
+
+
+def _serve(models_answer: str):
+    """A local HTTP server that answers /health and /v1/models with `models_answer`."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (models_answer if self.path.startswith("/v1/models") else "{}").encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("answer", "words"),
+    [
+        ("[1, 2]", "other than OpenAI's model list"),
+        ('{"data": "x"}', "other than OpenAI's model list"),
+        ('{"data": [{"id": "m", "max_model_len": "4096"}]}', "max_model_len '4096'"),
+        ('{"data": []}', "serves no model"),
+    ],
+)
+def test_a_server_answering_in_an_unexpected_shape_is_described_not_a_traceback(answer, words):
+    from runner.endpoint import inspect
+
+    server = _serve(answer)
+    try:
+        found = inspect(f"http://127.0.0.1:{server.server_port}", timeout=5)
+    finally:
+        server.shutdown()
+    assert isinstance(found, str) and words in found, found

@@ -261,7 +261,7 @@ def test_a_failed_stage_leaves_no_locks_or_empty_folders(tmp_path, tiny_model_di
     # Every row loses its answer to the cut: prepare fails after it started.
     data = _chats(tmp_path / "c.jsonl", 6)
     with pytest.raises(ConfigError) as info:
-        extra = ("run.stages=[prepare]", "data.min_assistant_tokens=500")
+        extra = ("run.stages=[prepare]", "data.min_assistant_tokens=80")
         run_job(compose(tiny(tiny_model_dir, data, tmp_path / "out", *extra)))
     assert info.value.key == "data.source" and "few_assistant_tokens" in info.value.message
     out = tmp_path / "out"
@@ -331,3 +331,171 @@ def test_conversations_with_images_are_refused_by_default_or_kept_as_text(tmp_pa
     )
     m = run.results["prepare"].metrics
     assert m["rows"] == 7 and (m["media_parts_dropped"], m["rows_with_media"]) == (2, 2)
+
+
+# -- round three: every file and URL the run touches, settings against their library's rule ---
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "words"),
+    [
+        (["train.seed=4294967296"], "train.seed", "0..4294967295"),
+        (["regenerate.seed=-1"], "regenerate.seed", "0..4294967295"),
+        (["model.name=../../x"], "model.name", "folder name"),
+        (["model.name=''"], "model.name", "folder name"),
+        (["model.name=."], "model.name", "folder name"),
+        (["hardware.vllm.endpoint=http://127.0.0.1:99999"], "hardware.vllm.endpoint", "valid URL"),
+        (["hardware.vllm.endpoint=http://127.0.0.1:abc"], "hardware.vllm.endpoint", "valid URL"),
+        (["hardware.vllm.endpoint='http://[::1:8000'"], "hardware.vllm.endpoint", "valid URL"),
+        (["hardware.vllm.command=[/nope/bin/python]"], "hardware.vllm.command", "/nope/bin/python"),
+        (["hardware.vllm_kv_cache_gib=100000"], "hardware.vllm_kv_cache_gib", "RAM"),
+        (["data.min_assistant_tokens=96"], "data.min_assistant_tokens", "no row would be kept"),
+        (["data.max_seq_len=16"], "data.max_seq_len", "cannot hold one chat turn"),
+        (["model.chat_template='{% for %}'"], "model.chat_template", "does not render"),
+        (["train.num_layers=2000"], "train.num_layers", "deeper than the target"),
+        (["tracking.uri=ftp://example.org/mlflow"], "tracking.uri", "cannot track to"),
+        (["tracking.uri=postgresql://u@127.0.0.1/db"], "tracking.uri", "driver"),
+    ],
+)
+def test_round_three_settings_are_refused_in_the_plan(tmp_path, tiny_model_dir, extra, key, words):
+    data = _chats(tmp_path / "c.jsonl", 6)
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", *extra)
+    assert err.key == key and words in err.message, (err.key, err.message)
+
+
+def test_a_source_weight_that_is_not_finite_is_refused(tmp_path, tiny_model_dir):
+    data = _chats(tmp_path / "c.jsonl", 6)
+    sources = f"+data.sources=[{{source: {data}, weight: nan}}]"
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", "data.source=null", sources)
+    assert err.key == "data.sources[0].weight" and "finite" in err.message
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        (lambda d: (d / "config.json").write_text("{not json"), "not valid JSON (line 1"),
+        (lambda d: (d / "config.json").write_text("[1, 2]"), "JSON list, not an object"),
+        (
+            lambda d: [
+                f.unlink() for f in d.iterdir() if f.name.startswith(("tokenizer", "vocab"))
+            ],
+            "no tokenizer files",
+        ),
+        (lambda d: (d / "tokenizer.json").write_text("{broken"), "does not load"),
+    ],
+)
+def test_a_target_folder_that_cannot_be_read_is_refused_naming_it(
+    tmp_path, tiny_model_dir, damage, words
+):
+    model = _copy_model(tiny_model_dir, tmp_path / "model")
+    damage(model)
+    data = _chats(tmp_path / "c.jsonl", 6)
+    err = _refusal(model, data, tmp_path / "out")
+    assert err.key == "model.source" and words in err.message, err.message
+
+
+def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tmp_path, tiny_model_dir):
+    model = _copy_model(tiny_model_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    config["vocab_size"] = 1000  # SmolLM2's tokenizer knows 49,152 tokens
+    (model / "config.json").write_text(json.dumps(config))
+    data = _chats(tmp_path / "c.jsonl", 6)
+    err = _refusal(model, data, tmp_path / "out", "vocab.draft_vocab_size=256")
+    assert err.key == "model.source" and "1000 rows" in err.message
+
+
+def test_a_gguf_that_is_not_a_gguf_is_refused(tmp_path):
+    from runner.target_facts import check_gguf
+
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ConfigError) as info:
+        check_gguf(fake, "model.gguf_file")
+    assert info.value.key == "model.gguf_file" and "not a GGUF file" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (None, "not found"),
+        ('{"prompt": "a"}\n{"prompt": \n', "prompts.jsonl:2: not valid JSON"),
+        ('{"question": "a"}\n', 'prompts.jsonl:1: expected an object with a "prompt"'),
+        ('["a"]\n', "prompts.jsonl:1: expected an object"),
+    ],
+)
+def test_a_prompt_file_is_read_in_the_plan_not_after_training(
+    tmp_path, tiny_model_dir, content, words
+):
+    prompts = tmp_path / "prompts.jsonl"
+    if content is not None:
+        prompts.write_text(content)
+    data = _chats(tmp_path / "c.jsonl", 6)
+    stages = "run.stages=[prepare,extract,vocab,train,evaluate]"
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", stages, f"eval.prompts=[{prompts}]")
+    assert err.key == "eval.prompts" and words in err.message, err.message
+
+
+def test_mlflow_stores_that_cannot_be_used_are_refused_in_the_plan(tmp_path, tiny_model_dir):
+    import mlflow
+
+    data = _chats(tmp_path / "c.jsonl", 6)
+    junk = tmp_path / "junk.db"
+    junk.write_text("not a database")
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", f"tracking.uri=sqlite:///{junk}")
+    assert err.key == "tracking.uri" and "not an SQLite database" in err.message
+    db = tmp_path / "m.db"
+    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    client.delete_experiment(client.create_experiment("eagle3"))
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", f"tracking.uri=sqlite:///{db}")
+    assert err.key == "tracking.uri" and "is deleted" in err.message and "restore" in err.message
+
+
+def test_a_deeply_nested_row_is_named_by_file_and_line(tmp_path, tiny_model_dir):
+    data = _chats(tmp_path / "c.jsonl", 6)
+    with open(data, "a") as fh:
+        fh.write('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    err = _refusal(tiny_model_dir, data, tmp_path / "out")
+    assert err.key.startswith("data") and "c.jsonl:7" in err.message, err.message
+
+
+def test_an_epoch_draft_disk_need_above_the_free_disk_is_refused(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    import stages.train
+
+    monkeypatch.setattr(stages.train, "free_bytes", lambda _p: 1 << 20)
+    data = _chats(tmp_path / "c.jsonl", 6)
+    err = _refusal(
+        tiny_model_dir, data, tmp_path / "out", "train.keep_epoch_drafts=true", "train.epochs=50"
+    )
+    assert err.key == "train.keep_epoch_drafts" and "free" in err.message
+
+
+def test_an_unexpected_error_while_planning_is_one_line_not_a_traceback(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    import runner.job
+
+    def broken(*_a, **_k):
+        raise KeyError("max_position_embeddings")
+
+    monkeypatch.setattr(runner.job, "resolve_target", broken)
+    data = _chats(tmp_path / "c.jsonl", 6)
+    err = _refusal(tiny_model_dir, data, tmp_path / "out")
+    assert (
+        err.key == "run" and "KeyError" in err.message and "EAGLE3_RUNNER_TRACEBACK" in err.message
+    )
+
+
+def test_vllm_engine_arguments_are_checked_by_vllms_own_parser(tmp_path, tiny_model_dir):
+    data = _chats(tmp_path / "c.jsonl", 6)
+    bad = "hardware.vllm.extra_args=[--max-num-seqz,4]"
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", "extract=vllm", bad)
+    assert err.key == "hardware.vllm.extra_args" and "--max-num-seqz" in err.message
+    good = "hardware.vllm.extra_args=[--max-num-seqs,4]"
+    assert not _plan(tiny_model_dir, data, tmp_path / "out", "extract=vllm", good).plan.errors
