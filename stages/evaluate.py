@@ -28,6 +28,7 @@ from typing import Any
 from runner.assets import load_prompt_sets
 from runner.errors import ConfigError, StageError
 from runner.integrations.speculators import recorded_settings, resolve_train_config
+from runner.plan_tokenizer import plan_tokenizer
 from runner.schema import RunnerConfig, prompt_set_name
 from runner.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.store import damage
@@ -680,6 +681,34 @@ def figures(metrics: Mapping[str, Any], _path: Path) -> dict[str, Any]:
     return {"evaluate/acceptance_by_position.png": fig}
 
 
+def _check_prompt_room(p: Plan, cfg: RunnerConfig, view: PlanView, sets: dict) -> None:
+    found = plan_tokenizer(cfg, view.target)
+    if found is None:
+        return
+    tok, kwargs = found[0], dict(cfg.model.chat_template_kwargs)
+    longest, where = 0, ""
+    for name, prompts in sets.items():
+        for prompt in prompts:
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=False,
+                **kwargs,
+            )
+            n = len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            if n > longest:
+                longest, where = n, name
+    e = cfg.eval
+    if longest + e.max_new_tokens > e.max_model_len:
+        p.error(
+            "eval.max_model_len",
+            f"{e.max_model_len} cannot hold the longest prompt of {where} ({longest} tokens) "
+            f"plus eval.max_new_tokens={e.max_new_tokens}; raise it to at least "
+            f"{longest + e.max_new_tokens}",
+        )
+
+
 def plan(p: Plan, view: PlanView) -> None:
     cfg = view.cfg
     if view.actions.get("evaluate") != "run":
@@ -708,9 +737,10 @@ def plan(p: Plan, view: PlanView) -> None:
                 "not measured: the server at hardware.vllm.endpoint serves the draft only, and "
                 "the target alone or a random draft would need servers of their own",
             )
-    # Every prompt file is read now (exists, parses, has the fields), not after training.
+    # Every prompt file is read now (exists, parses, has the fields), not after training, and
+    # its longest prompt plus the answer must fit the servers' context.
     try:
-        load_prompt_sets(cfg.eval)
+        _check_prompt_room(p, cfg, view, load_prompt_sets(cfg.eval))
     except ConfigError as exc:
         p.error(exc.key, exc.message)
     context = cfg.model.max_context or target_context(view.target.config)

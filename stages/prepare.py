@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import logging
 import os
-import shutil
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -43,9 +42,10 @@ from runner.conversations import (
 from runner.errors import ConfigError
 from runner.layout import RunLayout
 from runner.mixing import Source, about, interleave, key_of, sources
+from runner.plan_tokenizer import plan_tokenizer
 from runner.schema import RunnerConfig
 from runner.stage import Plan, PlanView, Stage, StageContext
-from runner.target_facts import ModelFacts, Target, model_source, target_context
+from runner.target_facts import ModelFacts, Target, target_context
 
 log = logging.getLogger("runner")
 
@@ -497,68 +497,10 @@ def check_target(cfg: RunnerConfig, target: Target) -> None:
 ONE_TURN = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
 
 
-def _tokenizer_file(name: str) -> bool:
-    return name.startswith(("tokenizer", "vocab.", "merges.txt")) or name.endswith(
-        (".model", ".tiktoken")
-    )
-
-
-def _gguf_tokenizer(cfg: RunnerConfig) -> tuple[Any, Path] | None:
-    """A packaged GGUF before its conversion: the tokenizer it holds (seconds to read)."""
-    from transformers import AutoTokenizer
-
-    root = Path(cfg.run.output_root).expanduser()
-    src = model_source(cfg.model, root)
-    if src.kind != "package" or src.gguf is None:
-        return None
-    # Read from the GGUF once (seconds), then from a plain copy under the root's cache.
-    kept = RunLayout(root).cache / "gguf_tokenizers" / f"{src.gguf.name}-{src.gguf.stat().st_size}"
-    if (kept / "tokenizer_config.json").is_file():
-        tok = AutoTokenizer.from_pretrained(str(kept))
-    else:
-        tok = AutoTokenizer.from_pretrained(str(src.gguf.parent), gguf_file=src.gguf.name)
-        tmp = kept.with_name(f"{kept.name}.tmp{os.getpid()}")
-        tok.save_pretrained(str(tmp))
-        if kept.exists():  # another plan kept it first
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.rename(kept)
-    if cfg.model.chat_template:
-        tok.chat_template = cfg.model.chat_template
-    return tok, src.gguf
-
-
 def check_tokenizer(cfg: RunnerConfig, target: Target) -> None:
-    path = Path(target.facts.path)
-    if not path.is_dir():
-        try:
-            found = _gguf_tokenizer(cfg)
-        except Exception as exc:  # the GGUF reader's errors are many and untyped
-            raise ConfigError(
-                "model.gguf_file",
-                f"the tokenizer in the GGUF does not load ({type(exc).__name__}: {exc})",
-            ) from None
-        if found is not None:
-            _check_rendering(cfg, target, *found)
-        return
-    names = {f.name for f in path.iterdir()}
-    if not any(_tokenizer_file(n) for n in names):
-        raise ConfigError(
-            "model.source",
-            f"{path} has no tokenizer files (tokenizer.json, tokenizer_config.json, ...): "
-            "prepare could not tokenize the data",
-        )
-    custom = any("AutoTokenizer" in r for r in target.remote_code_reasons)
-    if custom and not any(n.startswith("tokenization_") and n.endswith(".py") for n in names):
-        return  # its code is not in the folder (a config-only copy): nothing to load here
-    try:
-        tok = _tokenizer(str(path), cfg.model.trust_remote_code, cfg.model.chat_template)
-    except Exception as exc:  # transformers raises many kinds for a broken tokenizer
-        raise ConfigError(
-            "model.source",
-            f"the tokenizer at {path} does not load ({type(exc).__name__}: {str(exc)[:200]})",
-        ) from None
-    _check_rendering(cfg, target, tok, path)
+    found = plan_tokenizer(cfg, target)
+    if found is not None:
+        _check_rendering(cfg, target, *found)
 
 
 def _check_rendering(cfg: RunnerConfig, target: Target, tok: Any, path: Path) -> None:

@@ -358,6 +358,11 @@ def _copy_model(src: Path, dst: Path) -> Path:
         (["data.max_seq_len=16"], "data.max_seq_len", "cannot hold one chat turn"),
         (["model.chat_template='{% for %}'"], "model.chat_template", "does not render"),
         (["train.num_layers=2000"], "train.num_layers", "deeper than the target"),
+        (
+            ["run.stages=[prepare,extract,vocab,train,evaluate]", "eval.max_model_len=200"],
+            "eval.max_model_len",
+            "cannot hold the longest prompt of mtbench",
+        ),
         (["tracking.uri=ftp://example.org/mlflow"], "tracking.uri", "cannot track to"),
         (["tracking.uri=postgresql://u@127.0.0.1/db"], "tracking.uri", "driver"),
     ],
@@ -499,3 +504,39 @@ def test_vllm_engine_arguments_are_checked_by_vllms_own_parser(tmp_path, tiny_mo
     assert err.key == "hardware.vllm.extra_args" and "--max-num-seqz" in err.message
     good = "hardware.vllm.extra_args=[--max-num-seqs,4]"
     assert not _plan(tiny_model_dir, data, tmp_path / "out", "extract=vllm", good).plan.errors
+
+
+def test_refusals_on_the_command_line_print_one_line_and_no_traceback(tmp_path, tiny_model_dir):
+    """One refusal of each round-three class through `python -m runner`, as a user meets it:
+    exit 2, the key named, and no traceback on either stream (benchmarks/bad_inputs.py runs
+    every case the same way)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = _chats(tmp_path / "c.jsonl", 6)
+    broken = _copy_model(tiny_model_dir, tmp_path / "broken")
+    (broken / "config.json").write_text("[1, 2]")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"question": "a"}\n')
+    cases = {
+        "hardware.vllm.endpoint": ["hardware.vllm.endpoint=http://127.0.0.1:99999"],
+        "model.source": [f"model.source={broken}"],
+        "eval.prompts": [
+            f"eval.prompts=[{prompts}]",
+            "run.stages=[prepare,extract,vocab,train,evaluate]",
+        ],
+        "train.seed": ["train.seed=4294967296"],
+        "model.name": ["model.name=../../x"],
+        "tracking.uri": ["tracking.uri=ftp://example.org/x"],
+    }
+
+    def refuse(item):
+        key, extra = item
+        over = tiny(tiny_model_dir, data, tmp_path / "out", "run.plan_only=true", *extra)
+        return key, _cli(*over, root=tmp_path / "out")
+
+    with ThreadPoolExecutor(2) as pool:
+        for key, proc in pool.map(refuse, cases.items()):
+            both = proc.stdout + proc.stderr
+            assert proc.returncode == 2, (key, both[-2000:])
+            assert f"config error: {key}" in proc.stderr, (key, proc.stderr[-2000:])
+            assert "Traceback" not in both, (key, both[-3000:])
