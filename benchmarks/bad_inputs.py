@@ -59,12 +59,12 @@ def data_files(folder: Path) -> dict[str, Path]:
     return out
 
 
-LLAMA = {  # a valid config.json of a small Llama with SmolLM2's vocabulary
+LLAMA = {  # a valid config.json of a small 30-layer Llama with SmolLM2's vocabulary
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 64,
     "intermediate_size": 128,
-    "num_hidden_layers": 4,
+    "num_hidden_layers": 30,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "vocab_size": 49152,
@@ -237,7 +237,7 @@ def cases(files: dict[str, Path]) -> list[tuple[str, list[str]]]:
 
 
 def key_named(stderr: str) -> str:
-    for pattern in (r"config error: ([\w.]+):", r"full_key: ([\w.]+)", r"Could not \w+ '(\w+)"):
+    for pattern in (r"config error: ([\w.\[\]]+):", r"full_key: ([\w.]+)", r"Could not \w+ '(\w+)"):
         m = re.search(pattern, stderr)
         if m:
             return m.group(1)

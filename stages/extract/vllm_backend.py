@@ -25,16 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import datasets
-import torch
-from safetensors.torch import load_file
-from speculators.cli.generate_offline_data import generate_offline_data
-from speculators.data_generation.offline import (
-    check_hidden_states,
-    find_corrupt_hidden_state_indices,
-    get_existing_hidden_state_indices,
-)
-
 from runner.errors import StageError
 from runner.integrations.speculators import recording_skips
 from runner.schema import RunnerConfig
@@ -90,6 +80,10 @@ def _run_client(
     max_samples: int | None,
 ) -> dict[int, str]:
     """speculators' data-generation client against the server; the samples it gave up on."""
+    # speculators takes seconds to import: only when a stage runs (the train stage and the plan
+    # import this module for `server_args`, and every command line would pay it).
+    from speculators.cli.generate_offline_data import generate_offline_data
+
     e = cfg.extract
     concurrency = e.concurrency
     with recording_skips() as rec, quiet_http_logs():
@@ -142,6 +136,15 @@ def _failed_samples(why: dict[int, str], cfg: RunnerConfig, done_dir: Path) -> s
 def extract(
     ctx: StageContext, rows: Sequence[Any], out_dir: Path, stats: LayerStats
 ) -> dict[str, Any]:
+    import datasets
+    import torch
+    from safetensors.torch import load_file
+    from speculators.data_generation.offline import (
+        check_hidden_states,
+        find_corrupt_hidden_state_indices,
+        get_existing_hidden_state_indices,
+    )
+
     cfg, facts = ctx.cfg, ctx.facts
     e = cfg.extract
     scratch: Path = ctx.scratch
