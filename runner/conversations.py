@@ -7,8 +7,9 @@
   `data.on_bad_row=skip`; rows with an unknown role or no assistant turn are dropped and counted.
   An empty file, or one with no usable row, is an error naming `data.source`.
 - `data_fingerprint(cfg.data, cache_dir)` is what the prepare key holds about the data: the
-  sha256 and size of every local or packaged file (streamed; remembered per path, size and mtime
-  in `<cache_dir>/data_files.json`, so a warm plan does not hash again), or a hub dataset's
+  sha256 and size of every local or packaged file (streamed; remembered per path, size, mtime,
+  ctime and inode in `<cache_dir>/data_files.json`, so a warm plan does not hash again, while an
+  edit that keeps size and mtime still changes the inode or ctime), or a hub dataset's
   revision. Editing a file in place therefore gives prepare a new key.
 - `inspect_local(cfg.data, cache_dir)` reads a local file as prepare would, before any stage
   runs, so the plan refuses a broken file in seconds; remembered per content and column.
@@ -429,13 +430,26 @@ def _save_cache(cache_dir: Path, data: dict[str, Any]) -> None:
         pass  # a cache only: an unwritable one costs time, not correctness
 
 
+def _stamp(st: os.stat_result) -> dict[str, int]:
+    """What tells a file unchanged without reading it: size and mtime can be kept by an edit
+    (`cp -p`, `rsync -t`, `tar x`, `touch -r`), but each of those gives the file a new inode
+    or a new ctime, which no user tool can set back."""
+    return {
+        "bytes": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
+    }
+
+
 def _file_entry(path: Path, cache: dict[str, Any]) -> dict[str, Any]:
-    """{sha256, bytes} of `path`, hashed only when its size or mtime changed."""
-    st = path.stat()
-    memo_key = (str(path), st.st_size, st.st_mtime_ns)
+    """{sha256, bytes, ...} of `path`, hashed again whenever its stamp (size, mtime, ctime,
+    inode) changed."""
+    stamp = _stamp(path.stat())
+    memo_key = (str(path), *stamp.values())
     files = cache.setdefault("files", {})
     entry = files.get(str(path))
-    if entry and entry["bytes"] == st.st_size and entry["mtime_ns"] == st.st_mtime_ns:
+    if entry and all(entry.get(k) == v for k, v in stamp.items()):
         _MEMO[memo_key] = entry
         return entry
     if memo_key in _MEMO:
@@ -443,7 +457,7 @@ def _file_entry(path: Path, cache: dict[str, Any]) -> dict[str, Any]:
         return _MEMO[memo_key]
     with open(path, "rb") as fh:
         digest = hashlib.file_digest(fh, "sha256").hexdigest()
-    entry = {"sha256": digest, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    entry = {"sha256": digest, **stamp}
     files[str(path)] = _MEMO[memo_key] = entry
     return entry
 

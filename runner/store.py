@@ -9,8 +9,8 @@ A stage writes into `<output_root>/store/<stage>/.tmp-<key>-<host>-<pid>/`; only
 stage is renamed into place, with its manifest written last inside the temporary folder. A
 folder without a manifest is never trusted, so an interrupted run leaves nothing a later run
 would reuse, and the next run on the same host removes what a dead process left. On reuse a
-stage's files are checked against its manifest (`damage`): sizes always, sha256 of files
-modified since publication, of every file with run.verify=full.
+stage's files are checked against its manifest (`damage`): sizes always, sha256 of files whose
+mtime, ctime or inode changed since publication, of every file with run.verify=full.
 """
 
 from __future__ import annotations
@@ -93,6 +93,10 @@ def describe_files(folder: Path) -> tuple[list[dict[str, Any]], int]:
             "path": str(p.relative_to(folder)),
             "bytes": st.st_size,
             "mtime_ns": st.st_mtime_ns,
+            # An edit that keeps size and mtime (a tool that sets them back) still gives the
+            # file a new ctime, which nothing can set back, or a new inode.
+            "ctime_ns": st.st_ctime_ns,
+            "inode": st.st_ino,
         }
         if hashed:
             entry["sha256"] = _sha256(p)
@@ -152,9 +156,10 @@ def damage(art: Artifact, full: bool = False, under: str = "") -> str | None:
     """What is wrong with a published artifact's files (those under `under`), or None.
 
     Every file must exist with the size its manifest records. A file is hashed when `full`, or
-    when its modification time differs from the one recorded at publication (an edit in place,
-    a bit flip written by anything, a copy that did not keep times); its sha256 must match.
-    Artifacts above HASH_LIMIT_BYTES recorded sizes only."""
+    when its mtime, ctime or inode differs from the one recorded at publication (an edit in
+    place, even one that set size and mtime back; a bit flip written by anything; a copied
+    root, whose files are all hashed on each plan); its sha256 must match. Artifacts above
+    HASH_LIMIT_BYTES recorded sizes only."""
     try:
         files = art.manifest.get("files", [])
     except (OSError, ValueError) as exc:
@@ -169,7 +174,8 @@ def damage(art: Artifact, full: bool = False, under: str = "") -> str | None:
             return f"{f['path']} is missing"
         if st.st_size != f["bytes"]:
             return f"{f['path']} is {st.st_size} bytes; its manifest records {f['bytes']}"
-        touched = st.st_mtime_ns != f.get("mtime_ns", st.st_mtime_ns)
+        now = {"mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+        touched = any(f.get(k, v) != v for k, v in now.items())
         if "sha256" in f and (full or touched) and _sha256(p) != f["sha256"]:
             return f"{f['path']} does not match the sha256 its manifest records"
     return None

@@ -540,3 +540,20 @@ def test_refusals_on_the_command_line_print_one_line_and_no_traceback(tmp_path, 
             assert proc.returncode == 2, (key, both[-2000:])
             assert f"config error: {key}" in proc.stderr, (key, proc.stderr[-2000:])
             assert "Traceback" not in both, (key, both[-3000:])
+
+
+def test_an_edit_that_keeps_size_and_mtime_is_still_prepared_again(tmp_path, tiny_model_dir):
+    """`cp -p` of a same-size file over the data (size and mtime kept, as `rsync -t`, `tar x`
+    and `touch -r` also keep them): the plan hashes it again and prepares the new rows."""
+    data = _chats(tmp_path / "chats.jsonl", 12, tag="a")
+    stages = "run.stages=[prepare]"
+    first = run_job(compose(tiny(tiny_model_dir, data, tmp_path, stages, samples=100)))
+    other = _chats(tmp_path / "other.jsonl", 12, tag="b")  # same length, other letters
+    assert other.stat().st_size == data.stat().st_size
+    st = data.stat()
+    subprocess.run(["cp", "-p", str(other), str(data)], check=True)
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (data.stat().st_size, data.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    again = run_job(compose(tiny(tiny_model_dir, data, tmp_path, stages, samples=100)))
+    assert again.stages == {"prepare": "computed"}
+    assert again.results["prepare"].key != first.results["prepare"].key

@@ -39,12 +39,14 @@ def test_publish_is_atomic_and_records_files(tmp_path):
     art = store.get("vocab", "k1")
     assert art is not None
     m = json.loads((art.path / MANIFEST).read_text())
-    mtime = (art.path / "d2t.npy").stat().st_mtime_ns  # unchanged by the rename into place
+    st = (art.path / "d2t.npy").stat()  # times and inode unchanged by the rename into place
     assert m["files"] == [
         {
             "path": "d2t.npy",
             "bytes": 5,
-            "mtime_ns": mtime,
+            "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns,
+            "inode": st.st_ino,
             "sha256": "5994471abb01112afcc18159f6cc74b4f511b99806da59b3caf5a9c173cacfc5",
         }
     ]
@@ -95,10 +97,12 @@ def test_damage_names_the_file_a_truncation_or_an_edit_broke(tmp_path):
     flipped = bytearray(hs.read_bytes())
     flipped[100] ^= 0xFF
     hs.write_bytes(bytes(flipped))
-    os.utime(hs, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same time
-    assert damage(art) is None  # the cheap check cannot see it...
-    assert "hs_0.safetensors does not match the sha256" in damage(art, full=True)  # ...full can
-    hs.write_bytes(bytes(flipped))  # an edit that moves the time is hashed even when cheap
+    os.utime(hs, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same time set back
+    assert hs.stat().st_mtime_ns == st.st_mtime_ns and hs.stat().st_size == st.st_size
+    # The write gave it a new ctime, which nothing sets back: hashed even by the cheap check.
+    assert "hs_0.safetensors does not match the sha256" in damage(art)
+    assert "hs_0.safetensors does not match the sha256" in damage(art, full=True)
+    hs.write_bytes(bytes(flipped))  # an edit that moves the time is hashed as well
     assert "does not match the sha256" in damage(art)
     hs.write_bytes(b"short")
     assert damage(art) == "hidden_states/hs_0.safetensors is 5 bytes; its manifest records 16384"
