@@ -95,3 +95,20 @@ def handling(signals: tuple[signal.Signals, ...], handler: Any) -> Iterator[dict
 def stop_on_signals() -> contextlib.AbstractContextManager[dict[int, Any]]:
     """Within the block (main thread only), SIGINT and SIGTERM raise Interrupted."""
     return handling(SIGNALS, _raise)
+
+
+def companion(name: str, work: Any) -> int:
+    """A companion command's `main` (publish, transfer): `work()` runs with SIGINT and SIGTERM
+    raising Interrupted, so that its folder helpers remove what they half wrote; a signal ends it
+    with one line and 128 + the signal's number, as the runner itself does."""
+    try:
+        with stop_on_signals():
+            return work()
+    except (Interrupted, KeyboardInterrupt) as exc:
+        stopped = as_interrupted(exc)
+        assert stopped is not None
+        print(
+            f"{name}: interrupted by {stopped.name}; nothing half-written was left (run it again)",
+            file=sys.stderr,
+        )
+        return stopped.exit_code

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runner.interrupts import companion
 from runner.job_tags import RESULTS_FILE
 from runner.layout import default_root
 from runner.store import new_folder
@@ -192,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.push and not args.repo_id:
         ap.error("--push needs --repo-id")
+    return companion("publish", lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
     uri = tracking_uri(args.tracking_uri, Path(args.output_root).expanduser().resolve())
     problem = missing_store(uri)
     if problem:

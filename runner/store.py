@@ -215,6 +215,12 @@ def new_folder(out: Path) -> Iterator[Path]:
     and nothing half-written is left on failure."""
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty")
+    # What a killed earlier attempt (kill -9: no handler runs) left beside `out`.
+    if out.parent.is_dir():
+        for old in out.parent.glob(f".tmp-{out.name}-*"):
+            pid = old.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

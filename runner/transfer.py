@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runner.interrupts import companion
 from runner.store import new_folder
 
 WEIGHTS = "model.safetensors"
@@ -132,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path, help="the folder to write (must not exist, or be empty)")
     ap.add_argument("--target", type=Path, required=True, help="the target's model folder")
     args = ap.parse_args(argv)
+    return companion("transfer", lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if args.action == "pack":
             rec = pack(args.src, args.out, args.target)

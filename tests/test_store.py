@@ -150,3 +150,32 @@ def test_gc_lists_by_default_and_removes_on_request(tmp_path, capsys):
     assert leftover.exists() and aside.exists()  # a dry run removes nothing
     assert gc(["--root", str(tmp_path), "--delete"]) == 0
     assert not leftover.exists() and not aside.exists() and resume.exists()
+
+
+def test_a_signalled_companion_command_leaves_nothing_and_exits_128_plus_signal(tmp_path, capsys):
+    """publish and transfer run under `companion`: SIGTERM while the folder is half-written ends
+    the command with one line and 143, and the half-written folder is gone; a folder a killed
+    (-9) attempt left is removed by the next attempt."""
+    import signal
+    import time
+
+    from runner.interrupts import companion
+    from runner.store import new_folder
+
+    out = tmp_path / "packed"
+
+    def work() -> int:
+        with new_folder(out) as tmp:
+            (tmp / "half.bin").write_bytes(b"x" * 1000)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the signal arrives before this ends
+        return 0
+
+    assert companion("transfer", work) == 143
+    assert "transfer: interrupted by SIGTERM" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    dead = tmp_path / ".tmp-packed-999999999"  # a pid no process has
+    dead.mkdir()
+    with new_folder(out) as tmp:
+        (tmp / "ok").write_text("1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["packed"]
