@@ -28,9 +28,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import ConfigError, StageError
-from runner.interrupts import Interrupted, as_interrupted
+from runner.interrupts import Interrupted, as_interrupted, held_back
 from runner.job import rerun_command, run_job
 from runner.schema import register
+from runner.sweep import end_interrupted_sweep
 from stages import REGISTRY  # the composition root: the one module that names the stages
 
 # The schema Hydra composes on: RunnerConfig, plus the sections of stages with settings.
@@ -84,6 +85,9 @@ def main(cfg: DictConfig) -> float | None:
             f"run the same command to continue: {rerun_command()}"
         )
         print(f"\ninterrupted by {stopped.name}{where}: {detail}", file=sys.stderr)
+        if multirun:
+            with held_back():
+                end_interrupted_sweep(cfg)
         sys.exit(stopped.exit_code)
     except Exception:
         if multirun:

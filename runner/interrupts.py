@@ -97,6 +97,23 @@ def stop_on_signals() -> contextlib.AbstractContextManager[dict[int, Any]]:
     return handling(SIGNALS, _raise)
 
 
+def between_jobs(handler: Any) -> None:
+    """A multirun's handler for SIGINT and SIGTERM while no job runs (between jobs; each job
+    installs its own for its duration and then puts this one back). Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def held_back() -> Iterator[list[int]]:
+    """Within the block, SIGINT and SIGTERM are noted instead of raised (closing an MLflow run
+    must not be cut in half and leave it RUNNING); yields the signals that came."""
+    got: list[int] = []
+    with handling(SIGNALS, lambda signum, _frame: got.append(signum)):
+        yield got
+
+
 def companion(name: str, work: Any) -> int:
     """A companion command's `main` (publish, transfer): `work()` runs with SIGINT and SIGTERM
     raising Interrupted, so that its folder helpers remove what they half wrote; a signal ends it

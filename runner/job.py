@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.assets import resolve_model
 from runner.checks import check_config, check_target
 from runner.errors import ConfigError, StageError
-from runner.interrupts import as_interrupted, stop_on_signals
+from runner.interrupts import Interrupted, as_interrupted, held_back, stop_on_signals
 from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, PLOTTED_TAG, RESULTS_FILE, SERIES_TAG
 from runner.layout import RunLayout
 from runner.pipeline import Pipeline, StageResult
@@ -212,11 +212,16 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         # The results head the run's page in the MLflow UI.
         tracker.set_description("```\n" + description + "\n```")
     except BaseException as exc:
-        # A signal is not a failure of the run's own making: MLflow shows it as KILLED.
-        _end_failed(tracker, "KILLED" if as_interrupted(exc) else "FAILED")
+        # A signal is not a failure of the run's own making: MLflow shows it as KILLED. A second
+        # signal while the run is being closed waits until it is closed.
+        with held_back():
+            _end_failed(tracker, "KILLED" if as_interrupted(exc) else "FAILED")
         raise
-    tracker.end("FINISHED")
+    with held_back() as came:
+        tracker.end("FINISHED")
     _echo(summary)
+    if came:  # the work was done and recorded; the process still stops as it was told
+        raise Interrupted(came[0], "the run had finished and is recorded as FINISHED")
     return result
 
 

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -36,6 +37,7 @@ from omegaconf import DictConfig
 
 from runner import shared_servers
 from runner.errors import ConfigError
+from runner.interrupts import between_jobs, held_back
 from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, PLOTTED_TAG, SERIES_TAG
 from runner.store import writable_root
 from runner.tracking import Tracker, check_store, process_tags, tracking_uri
@@ -66,6 +68,22 @@ def _root_or_exit(config: DictConfig) -> Path:
 def _tracking(config: DictConfig) -> tuple[str, str]:
     root = _root_or_exit(config)
     return tracking_uri(config.tracking.uri, root), str(root)
+
+
+def end_interrupted_sweep(config: DictConfig) -> None:
+    """A signal stopped the sweep (on_multirun_end will not run): its parent run ends KILLED
+    and the server its jobs shared stops, instead of both waiting for a later run."""
+    shared_servers.stop_all()
+    parent = os.environ.pop(PARENT_ENV, None)
+    if not parent:
+        return
+    import mlflow
+
+    uri, _ = _tracking(config)
+    try:
+        mlflow.MlflowClient(uri).set_terminated(parent, status="KILLED")
+    except Exception as exc:  # the store's own trouble; the next run marks it
+        log.error("could not mark the sweep's parent run %s KILLED (%s)", parent, exc)
 
 
 class SweepCallback(Callback):
@@ -105,9 +123,21 @@ class SweepCallback(Callback):
         os.environ[PARENT_ENV] = run.info.run_id
         log.info("sweep parent run %s (%s)", run.info.run_id, uri)
 
+        def stop(signum: int, _frame: Any) -> None:  # a signal between two jobs
+            print(
+                f"\ninterrupted by {signal.Signals(signum).name} between the sweep's jobs",
+                file=sys.stderr,
+            )
+            with held_back():
+                end_interrupted_sweep(config)
+            sys.exit(128 + signum)
+
+        between_jobs(stop)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         import mlflow  # seconds to import; only a multirun's callback needs it
 
+        between_jobs(signal.SIG_DFL)
         shared_servers.stop_all()  # the online server the sweep's jobs shared, if any
         parent = os.environ.pop(PARENT_ENV, None)
         if not parent:

@@ -281,3 +281,33 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "Z"
+
+
+def test_a_signal_as_the_last_stage_ends_never_leaves_the_run_running(
+    tiny_model_dir, chats_jsonl, tmp_path
+):
+    """SIGTERM the moment the last stage is published, while the run's outputs are logged and
+    the run is closed: wherever it lands, the run ends KILLED (or FINISHED, when it came while
+    the finished run was being closed), never RUNNING, and the process exits 143."""
+    cmd = _cmd(tiny_model_dir, chats_jsonl, tmp_path)
+    got, out = run_until(cmd, "[train] computed in", signal.SIGTERM)
+    assert got == 143, out[-3000:]
+    assert "Traceback" not in out
+    assert _statuses(tmp_path) in (["KILLED"], ["FINISHED"]), out[-3000:]
+
+
+def test_an_interrupted_sweep_ends_its_parent_killed(tiny_model_dir, chats_jsonl, tmp_path):
+    """SIGTERM in a sweep's second job: the job's run and the sweep's parent both end KILLED
+    (the parent used to stay RUNNING until a later run reconciled it)."""
+    base = _cmd(tiny_model_dir, chats_jsonl, tmp_path)
+    cmd = [*base[:3], "-m", *base[3:], "train.lr=1e-3,2e-3"]  # python -m runner -m ...
+    got, out = run_until(cmd, "#1 :", signal.SIGTERM)
+    assert got == 143, out[-3000:]
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("eagle3")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.info.run_name.startswith("sweep ")]
+    assert [p.info.status for p in parents] == ["KILLED"], [r.info.status for r in runs]
+    assert "RUNNING" not in [r.info.status for r in runs]
