@@ -3,6 +3,7 @@ by the stages' plan checks (prepare renders one chat turn with it; evaluate meas
 prompt).
 
     found = plan_tokenizer(cfg, target)   # (tokenizer, where it came from), or None
+    n = remembered(cfg, target, "what", parts, lambda: measure(found))   # cached measurements
 
 None when there is nothing to load here: a config-only copy of a custom-code tokenizer. A
 packaged GGUF's tokenizer is read from the GGUF before its conversion (seconds, then kept as a
@@ -13,6 +14,8 @@ tokenizer files, is refused naming the key.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -93,3 +96,39 @@ def _with_template(tok: Any, template: str) -> Any:
     out = copy.copy(tok)
     out.chat_template = template
     return out
+
+
+def remembered(cfg: RunnerConfig, target: Target, what: str, parts: Any, measure: Any) -> Any:
+    """`measure()` (which loads the tokenizer: seconds, mostly importing transformers), kept in
+    the root's cache per tokenizer, template and `parts`, so that a warm plan compares the
+    settings with numbers it already has. Only measurements are kept, never a verdict: a
+    refusal (a ConfigError from `measure`) is found again each time."""
+    layout = RunLayout(Path(cfg.run.output_root).expanduser())
+    file = layout.cache / "tokenizer_measures.json"
+    ident = [target.facts.tokenizer_id, target.facts.path, cfg.model.chat_template, what, parts]
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+    try:
+        known = json.loads(file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    value = measure()
+    known[key] = value
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, file)
+    except OSError:
+        pass  # a cache only
+    return value
+
+
+def file_stamp(name: str) -> Any:
+    """What tells a prompt file unchanged (path, size, mtime, ctime); a packaged set's name."""
+    path = Path(name).expanduser()
+    if not path.is_file():
+        return name
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns]

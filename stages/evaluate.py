@@ -28,7 +28,7 @@ from typing import Any
 from runner.assets import load_prompt_sets
 from runner.errors import ConfigError, StageError
 from runner.integrations.speculators import recorded_settings, resolve_train_config
-from runner.plan_tokenizer import plan_tokenizer
+from runner.plan_tokenizer import file_stamp, plan_tokenizer, remembered
 from runner.schema import RunnerConfig, prompt_set_name
 from runner.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.store import damage
@@ -682,10 +682,30 @@ def figures(metrics: Mapping[str, Any], _path: Path) -> dict[str, Any]:
 
 
 def _check_prompt_room(p: Plan, cfg: RunnerConfig, view: PlanView, sets: dict) -> None:
-    found = plan_tokenizer(cfg, view.target)
-    if found is None:
+    kwargs = dict(cfg.model.chat_template_kwargs)
+    files = [file_stamp(name) for name in cfg.eval.prompts]
+
+    def measure() -> list[Any] | None:
+        found = plan_tokenizer(cfg, view.target)
+        return None if found is None else _longest_prompt(found[0], sets, kwargs)
+
+    longest = remembered(
+        cfg, view.target, "longest_prompt", [kwargs, files, cfg.eval.num_prompts], measure
+    )
+    if longest is None:
         return
-    tok, kwargs = found[0], dict(cfg.model.chat_template_kwargs)
+    n, where = longest
+    e = cfg.eval
+    if n + e.max_new_tokens > e.max_model_len:
+        p.error(
+            "eval.max_model_len",
+            f"{e.max_model_len} cannot hold the longest prompt of {where} ({n} tokens) "
+            f"plus eval.max_new_tokens={e.max_new_tokens}; raise it to at least "
+            f"{n + e.max_new_tokens}",
+        )
+
+
+def _longest_prompt(tok: Any, sets: dict, kwargs: dict) -> list[Any]:
     longest, where = 0, ""
     for name, prompts in sets.items():
         for prompt in prompts:
@@ -699,14 +719,7 @@ def _check_prompt_room(p: Plan, cfg: RunnerConfig, view: PlanView, sets: dict) -
             n = len(ids["input_ids"] if hasattr(ids, "keys") else ids)
             if n > longest:
                 longest, where = n, name
-    e = cfg.eval
-    if longest + e.max_new_tokens > e.max_model_len:
-        p.error(
-            "eval.max_model_len",
-            f"{e.max_model_len} cannot hold the longest prompt of {where} ({longest} tokens) "
-            f"plus eval.max_new_tokens={e.max_new_tokens}; raise it to at least "
-            f"{longest + e.max_new_tokens}",
-        )
+    return [longest, where]
 
 
 def plan(p: Plan, view: PlanView) -> None:

@@ -42,7 +42,7 @@ from runner.conversations import (
 from runner.errors import ConfigError
 from runner.layout import RunLayout
 from runner.mixing import Source, about, interleave, key_of, sources
-from runner.plan_tokenizer import plan_tokenizer
+from runner.plan_tokenizer import plan_tokenizer, remembered
 from runner.schema import RunnerConfig
 from runner.stage import Plan, PlanView, Stage, StageContext
 from runner.target_facts import ModelFacts, Target, target_context
@@ -498,39 +498,45 @@ ONE_TURN = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content":
 
 
 def check_tokenizer(cfg: RunnerConfig, target: Target) -> None:
-    found = plan_tokenizer(cfg, target)
-    if found is not None:
-        _check_rendering(cfg, target, *found)
+    kwargs = {**cfg.model.chat_template_kwargs, **cfg.data.chat_template_kwargs}
+
+    def measure() -> dict[str, Any] | None:
+        found = plan_tokenizer(cfg, target)
+        return None if found is None else _one_turn(cfg, kwargs, *found)
+
+    m = remembered(cfg, target, "one_turn", kwargs, measure)
+    if m is None:
+        return
+    if cfg.data.max_seq_len < m["one_turn"] + 1:
+        raise ConfigError(
+            "data.max_seq_len",
+            f"{cfg.data.max_seq_len} tokens cannot hold one chat turn: the template renders "
+            f"'Hi?' / 'Hello.' in {m['one_turn']} tokens",
+        )
+    rows = target.facts.vocab_size
+    if rows and m["tokens"] > rows:
+        raise ConfigError(
+            "model.source",
+            f"the tokenizer at {m['where']} has {m['tokens']} tokens but the target's embedding "
+            f"table has {rows} rows (config.json vocab_size): token ids >= {rows} would crash "
+            "the target's forward in extract",
+        )
 
 
-def _check_rendering(cfg: RunnerConfig, target: Target, tok: Any, path: Path) -> None:
+def _one_turn(cfg: RunnerConfig, kwargs: dict, tok: Any, path: Path) -> dict[str, Any]:
+    """The tokens one short chat turn renders to, and the tokenizer's size."""
     key = "model.chat_template" if cfg.model.chat_template else "model.source"
     if not tok.chat_template:
         raise ConfigError(
             "model.chat_template", f"the tokenizer at {path} has no chat template; set one"
         )
-    kwargs = {**cfg.model.chat_template_kwargs, **cfg.data.chat_template_kwargs}
     try:
         ids = render(tok, ONE_TURN, False, kwargs)
     except Exception as exc:  # Jinja syntax and runtime errors, missing variables
         raise ConfigError(
             key, f"the chat template does not render a conversation ({type(exc).__name__}: {exc})"
         ) from None
-    need = len(ids) + 1
-    if cfg.data.max_seq_len < need:
-        raise ConfigError(
-            "data.max_seq_len",
-            f"{cfg.data.max_seq_len} tokens cannot hold one chat turn: the template renders "
-            f"'Hi?' / 'Hello.' in {len(ids)} tokens",
-        )
-    rows = target.facts.vocab_size
-    if rows and len(tok) > rows:
-        raise ConfigError(
-            "model.source",
-            f"the tokenizer at {path} has {len(tok)} tokens but the target's embedding table "
-            f"has {rows} rows (config.json vocab_size): token ids >= {rows} would crash the "
-            "target's forward in extract",
-        )
+    return {"one_turn": len(ids), "tokens": len(tok), "where": str(path)}
 
 
 def summary(metrics: dict[str, Any], path: Path, _cfg: RunnerConfig) -> list[str]:
