@@ -17,6 +17,7 @@ SIGINT / SIGTERM (the MLflow run is KILLED; the same command continues).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import traceback
@@ -30,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import ConfigError, StageError
 from runner.interrupts import Interrupted, as_interrupted, held_back
 from runner.job import rerun_command, run_job
-from runner.schema import register
+from runner.schema import DataSource, register
 from runner.sweep import end_interrupted_sweep
 from stages import REGISTRY  # the composition root: the one module that names the stages
 
@@ -110,6 +111,10 @@ def entry() -> None:
     except SystemExit as exc:
         if exc.code == 1 and not _composed:
             print("(a config error: change the key Hydra names above)", file=sys.stderr)
+            if any(a.lstrip("+~").startswith("data.sources") for a in sys.argv[1:]):
+                # Hydra names a misspelled field of an entry without the list it sits in.
+                fields = ", ".join(f.name for f in dataclasses.fields(DataSource))
+                print(f"(data.sources: each entry takes {fields})", file=sys.stderr)
             sys.exit(2)
         raise
 

