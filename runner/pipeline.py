@@ -201,6 +201,13 @@ class Pipeline:
     def missing(planned: list[PlannedStage]) -> str | None:
         """Why the plan cannot run (a needed stage neither stored nor requested), or None."""
         for p in planned:
+            if p.action == "missing" and p.damaged:
+                return (
+                    f"stage '{p.name}' (key {p.key}) is needed, but its stored artifact is "
+                    f"damaged ({p.damaged[1]}; {p.damaged[0]}) and it is not in run.stages, so it "
+                    f"cannot be computed again: add it to run.stages (run.stages=[{p.name}] with "
+                    "the same overrides first, or the whole pipeline)"
+                )
             if p.action == "missing":
                 return (
                     f"stage '{p.name}' (key {p.key}) is needed but not in the store and not in "

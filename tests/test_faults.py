@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import StageError
+from runner.errors import ConfigError, StageError
 from tests.conftest import (
     CONVERSATIONS,
     REPO,
@@ -157,10 +157,12 @@ def test_a_corrupted_draft_is_never_served(trained, tiny_model_dir, chats_jsonl,
     )
     _flip(train / "draft" / "model.safetensors", keep_mtime=True)
     base = tiny_overrides(tiny_model_dir, chats_jsonl, trained, CAPTURE)
-    # The cheap check passes (same size and time); serving checks every byte of the draft.
-    with pytest.raises(StageError) as info:
+    # Size and mtime were set back, but the write gave the file a new ctime: the default check
+    # hashes it, and the plan refuses to evaluate a damaged draft it cannot compute again.
+    with pytest.raises(ConfigError) as info:
         run_job(compose([*base, "run.stages=[evaluate]"]))
-    assert "draft/model.safetensors does not match the sha256" in str(info.value)
+    assert info.value.key == "run.stages"
+    assert "draft/model.safetensors does not match the sha256" in info.value.message
     # run.verify=full finds it while planning; run.on_damaged=stop names it and stops.
     with pytest.raises(StageError) as info:
         run_job(compose([*base, "run.verify=full", "run.on_damaged=stop"]))
