@@ -149,7 +149,7 @@ def main() -> int:
         "4 KiB of the draft zeroed, size and time kept",
         "store, before evaluate",
         ev.returncode,
-        _line(ev.stderr, "stage error"),
+        _line(ev.stderr, "stage error", "config error"),
         _statuses(root)[-1],
         _left(root),
         "-",
