@@ -37,14 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     import datasets
-    from speculators.cli.generate_offline_data import generate_offline_data
 
     import runner.__main__  # noqa: F401  (registers the schema)
     from runner.job import run_job
     from runner.schema import typed
-    from runner.vllm_server import quiet_http_logs, serve
+    from runner.vllm_server import serve
     from stages import REGISTRY
-    from stages.extract.vllm_backend import server_args
+    from stages.extract.vllm_backend import _run_client, server_args
     from tests.conftest import compose
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -67,29 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         staging = work / "staging"
         staging.mkdir()
         args = server_args(cfg, facts, staging)
-        with (
-            serve(cfg, facts.path, args, work / "vllm.log", label="bench") as server,
-            quiet_http_logs(),
-        ):
+        with serve(cfg, facts.path, args, work / "vllm.log", label="bench") as server:
             _line("server", {"start_s": server.start_s, "args": args})
             for c in a.concurrency:
                 out = work / f"out-{c}"
                 t0 = time.time()
-                generate_offline_data(
-                    model=server.model_id,
-                    endpoint=server.url,
-                    preprocessed_data=str(requests),
-                    output=str(out),
-                    max_samples=None,
-                    concurrency=c,
-                    validate_outputs=False,
-                    request_timeout=cfg.extract.request_timeout_s,
-                    max_retries=cfg.extract.max_retries,
-                    fail_on_error=False,
-                    max_consecutive_errors=2 * c,
-                    world_size=1,
-                    rank=0,
-                )
+                # The stage's own client call, at this concurrency.
+                _run_client(server, requests, out, cfg, None, concurrency=c)
                 s = time.time() - t0
                 _line(
                     f"vllm_c{c}",

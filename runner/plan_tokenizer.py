@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.errors import ConfigError
+from runner.json_cache import remembered as remembered_json
 from runner.layout import RunLayout
 from runner.schema import RunnerConfig
 from runner.target_facts import Target, model_source
@@ -107,22 +108,7 @@ def remembered(cfg: RunnerConfig, target: Target, what: str, parts: Any, measure
     file = layout.cache / "tokenizer_measures.json"
     ident = [target.facts.tokenizer_id, target.facts.path, cfg.model.chat_template, what, parts]
     key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
-    try:
-        known = json.loads(file.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return known[key]
-    value = measure()
-    known[key] = value
-    try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, file)
-    except OSError:
-        pass  # a cache only
-    return value
+    return remembered_json(file, key, lambda: (measure(), True))
 
 
 def file_stamp(name: str) -> Any:

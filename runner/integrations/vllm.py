@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runner.json_cache import remembered
+
 # The vLLM builds and versions the runner and these integrations were run and tested with: the
 # CPU build in CI and on the project's own machines (pyproject's `cpu` extra), the CUDA build on
 # one H200 (pyproject's `gpu` extra, constraints/h200-py312-cu130.txt, docs/gpu.md). The plan
@@ -111,34 +113,21 @@ def vllm_eagle3_support(architecture: str, version: str) -> dict[str, Any] | Non
     loading weights, and remembered per vLLM version in the user's cache. None if it could not
     be asked (the plan then reports it as unchecked, not as a failure).
     """
-    cache = _cache_file()
-    key = f"{version}:{architecture}:{_PROBE_VERSION}"
-    try:
-        known = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return known[key]
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", _PROBE, architecture],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        ).stdout
-        answer = json.loads(out.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
-        return None
-    known[key] = answer
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, cache)
-    except OSError:
-        pass
-    return answer
+
+    def ask() -> tuple[dict[str, Any] | None, bool]:
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", _PROBE, architecture],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=True,
+            ).stdout
+            return json.loads(out.strip().splitlines()[-1]), True
+        except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+            return None, False
+
+    return remembered(_cache_file(), f"{version}:{architecture}:{_PROBE_VERSION}", ask)
 
 
 # vLLM's own server argument parser, asked in a child process: its module moved between
@@ -158,36 +147,22 @@ print("ok")
 def engine_args_problem(args: list[str], version: str) -> str | None:
     """Why vLLM's own parser refuses `args` (hardware.vllm.extra_args), or None. Remembered per
     vLLM version and arguments in the user's cache (the child process takes seconds)."""
-    cache = _cache_file()
-    key = f"args:{version}:{json.dumps(args)}"
-    try:
-        known = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return known[key]
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _PARSE, "--model", "x", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    except (subprocess.SubprocessError, OSError):
-        return None  # not asked: the server's start will say
-    if proc.returncode == 0:
-        answer = None
-    else:
+
+    def ask() -> tuple[str | None, bool]:
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", _PARSE, "--model", "x", *args],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        except (subprocess.SubprocessError, OSError):
+            return None, False  # not asked: the server's start will say
+        if proc.returncode == 0:
+            return None, True
         errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
-        answer = errors[-1].split("error:", 1)[1].strip() if errors else None
-        if answer is None:
-            return None  # it failed for another reason: not the arguments' fault
-    known[key] = answer
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, cache)
-    except OSError:
-        pass
-    return answer
+        if not errors:
+            return None, False  # it failed for another reason: not the arguments' fault
+        return errors[-1].split("error:", 1)[1].strip(), True
+
+    return remembered(_cache_file(), f"args:{version}:{json.dumps(args)}", ask)

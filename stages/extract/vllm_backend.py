@@ -78,6 +78,7 @@ def _run_client(
     out_dir: Path,
     cfg: RunnerConfig,
     max_samples: int | None,
+    concurrency: int | None = None,
 ) -> dict[int, str]:
     """speculators' data-generation client against the server; the samples it gave up on."""
     # speculators takes seconds to import: only when a stage runs (the train stage and the plan
@@ -85,7 +86,7 @@ def _run_client(
     from speculators.cli.generate_offline_data import generate_offline_data
 
     e = cfg.extract
-    concurrency = e.concurrency
+    concurrency = concurrency or e.concurrency
     with recording_skips() as rec, quiet_http_logs():
         try:
             generate_offline_data(
