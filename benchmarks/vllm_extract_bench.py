@@ -1,17 +1,19 @@
 """vLLM extraction against in-process extraction on the same rows, measured in one run: where the
-vLLM path's time goes as the client keeps more requests in flight.
+vLLM path's time goes as the requests in flight, the client processes and the server's step size
+change.
 
-One extraction server is started with the extract stage's own flags (`stages.extract.vllm_backend.
-server_args`, so extract.batch_tokens applies); speculators' data-generation client then sends
-the same prepared rows at each concurrency in turn, each pass into a fresh folder, and the
-in-process (transformers) backend extracts the same rows once. Every figure is printed as one
-`BENCH` JSON line: rows/s, tokens/s, the client's own mean request and move times, and the ratio
-to in-process.
+For each step size (`--batch-tokens`, extract.batch_tokens; `0`: vLLM's own) one extraction server
+is started with the extract stage's own flags (`stages.extract.vllm_backend.server_args`); the
+stage's own client call then sends the same prepared rows for each concurrency x client-process
+count, each pass into a fresh folder; the in-process (transformers) backend extracts the same rows
+once. Every figure is printed as one `BENCH` JSON line: rows/s, tokens/s, the ratio to in process,
+and CPU milliseconds per row in the client processes, the server's API process(es) and its engine
+core and workers (the process that is near 1,000 ms of CPU per second of wall is the bound).
 
 Usage (runner overrides after `--`; the prepared rows come from the runner's store, computed if
 missing):
-    python -m benchmarks.vllm_extract_bench --concurrency 32 64 128 256 -- hardware=gpu1 \
-        data.num_samples=1500
+    python -m benchmarks.vllm_extract_bench --concurrency 64 --clients 1 2 4 8 \
+        --batch-tokens 0 16384 -- hardware=gpu1 data.num_samples=1500
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import resource
 import shutil
 import sys
 import tempfile
@@ -30,9 +33,30 @@ def _line(name: str, values: dict) -> None:
     print(f"BENCH {name} {json.dumps(values)}", flush=True)
 
 
+def _cpu(server) -> dict[str, float]:
+    """CPU seconds so far: the client side (this process and its waited-for children: the client
+    processes) and each kind of server process (API server, engine core, workers)."""
+    import psutil
+
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = {"client": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime}
+    top = psutil.Process(server.pid)
+    for p in [top, *top.children(recursive=True)]:
+        try:
+            name = "api_server" if p.pid == top.pid else p.name().split("::")[-1].lower()
+            t = p.cpu_times()
+            out[name] = out.get(name, 0.0) + t.user + t.system
+        except psutil.Error:
+            continue
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 64, 128, 256])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64])
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--batch-tokens", type=int, nargs="+", default=[0])
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
 
@@ -55,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     ids = [list(map(int, r)) for r in rows.with_format(None)["input_ids"]]
     tokens = sum(len(r) for r in ids)
 
-    cfg = typed(compose([*base, "extract=vllm"]))
     facts = inproc.target.facts
     work = Path(tempfile.mkdtemp(prefix="vllm-extract-bench-"))
     try:
@@ -63,29 +86,39 @@ def main(argv: list[str] | None = None) -> int:
         datasets.Dataset.from_dict({"input_ids": ids}).with_format("torch").save_to_disk(
             str(requests)
         )
-        staging = work / "staging"
-        staging.mkdir()
-        args = server_args(cfg, facts, staging)
-        with serve(cfg, facts.path, args, work / "vllm.log", label="bench") as server:
-            _line("server", {"start_s": server.start_s, "args": args})
-            for c in a.concurrency:
-                out = work / f"out-{c}"
-                t0 = time.time()
-                # The stage's own client call, at this concurrency.
-                _run_client(server, requests, out, cfg, None, concurrency=c)
-                s = time.time() - t0
-                _line(
-                    f"vllm_c{c}",
-                    {
-                        "rows": len(ids),
-                        "seconds": s,
-                        "rows_per_s": len(ids) / s,
-                        "tokens_per_s": tokens / s,
-                        "ratio_to_in_process": tokens / s / m["tokens_per_s"],
-                        "files": len(list(out.glob("hs_*.safetensors"))),
-                    },
-                )
-                shutil.rmtree(out)
+        for step in a.batch_tokens:
+            over = [f"extract.batch_tokens={step}"] if step else []
+            cfg = typed(compose([*base, "extract=vllm", *over]))
+            staging = work / "staging"
+            staging.mkdir(exist_ok=True)
+            args = server_args(cfg, facts, staging)
+            with serve(cfg, facts.path, args, work / "vllm.log", label="bench") as server:
+                _line("server", {"start_s": server.start_s, "args": args})
+                for c in a.concurrency:
+                    for k in a.clients:
+                        out = work / f"out-{c}-{k}"
+                        before = _cpu(server)
+                        t0 = time.time()
+                        # The stage's own client call, at this concurrency and client count.
+                        _run_client(server, requests, out, cfg, None, c, k, work / "logs")
+                        s = time.time() - t0
+                        cpu = {n: (v - before.get(n, 0.0)) for n, v in _cpu(server).items()}
+                        _line(
+                            f"vllm_step{step}_c{c}_clients{k}",
+                            {
+                                "rows": len(ids),
+                                "seconds": s,
+                                "rows_per_s": len(ids) / s,
+                                "tokens_per_s": tokens / s,
+                                "ratio_to_in_process": tokens / s / m["tokens_per_s"],
+                                "files": len(list(out.glob("hs_*.safetensors"))),
+                                "cpu_ms_per_row": {
+                                    n: round(1000 * v / len(ids), 2) for n, v in cpu.items()
+                                },
+                                "cpu_busy": {n: round(v / s, 2) for n, v in cpu.items()},
+                            },
+                        )
+                        shutil.rmtree(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -509,12 +509,18 @@ class ExtractConfig:
     # each sample from a vLLM server (started by the train stage, or hardware.vllm.endpoint),
     # every epoch again. Online needs backend vllm.
     mode: ExtractMode = ExtractMode.offline
-    # vLLM backend: requests in flight, seconds per request, and retries per sample before the
-    # stage fails naming it. (On an H200 with the 135M target the rate was the same from 8 to 256
-    # in flight, about 95 requests/s: benchmarks/vllm_extract_bench.py, docs/benchmarks.md.)
+    # vLLM backend: requests in flight (all clients together), seconds per request, and retries
+    # per sample before the stage fails naming it.
     concurrency: int = 8
+    # Client processes sending them, each speculators' data-generation client over its share of
+    # the rows (its world_size / rank). One client process tops out near 100 requests/s: the
+    # OpenAI client library walks every prompt token id in Python (on an H200 with the 135M
+    # target that capped extraction at half the in-process rate; docs/benchmarks.md).
+    # null: 1 on a CPU (the CPU engine needs the cores), else one per 4 cores, at most 4.
+    clients: int | None = None
     # Tokens the extraction server runs in one step (vLLM --max-num-batched-tokens; chunked
-    # prefill is off, so a row is never split); null: vLLM's own default.
+    # prefill is off, so a row is never split, and a step holds at least one). null: 16,384 on a
+    # GPU, vLLM's own default on a CPU.
     batch_tokens: int | None = None
     request_timeout_s: int = 600
     max_retries: int = 3
@@ -534,6 +540,15 @@ class ExtractConfig:
                 "server; use extract=online (backend vllm, mode online) or extract.mode=offline",
             )
         _at_least("extract.concurrency", self.concurrency, 1)
+        if self.clients is not None:
+            _at_least("extract.clients", self.clients, 1)
+            if self.clients > self.concurrency:
+                raise ConfigError(
+                    "extract.clients",
+                    f"{self.clients} client processes for {self.concurrency} requests in flight "
+                    "(extract.concurrency) leaves some with none; lower extract.clients or raise "
+                    "extract.concurrency",
+                )
         if self.batch_tokens is not None:
             _at_least("extract.batch_tokens", self.batch_tokens, 16)
         if self.share_gpu is not None and not 0.05 <= self.share_gpu <= 0.9:
@@ -550,6 +565,10 @@ class ExtractConfig:
                 "extract.superset_presets",
                 f"unknown preset(s) {unknown}; choose from {sorted(CAPTURE_PRESETS)}",
             )
+
+
+# extract.batch_tokens on a GPU when unset.
+GPU_EXTRACT_BATCH_TOKENS = 16384
 
 
 @dataclass
@@ -705,11 +724,12 @@ class EvalConfig:
     # 0, 0.125 and 0.25 (docs/gpu.md).
     near_tie_gap: float = 0.5
     # The speed ratio (draft-served over the target alone), measured on warm servers this many
-    # times at concurrency 1 and at the evaluation's batch (the first set's prompts). null = 3 on
-    # a GPU, 0 on a CPU (vLLM's CPU build runs speculative decoding slower than the target).
+    # times at concurrency 1 and at the evaluation's batch (the first set's prompts), after one
+    # untimed pass; the ratio of the median rates. null = 5 on a GPU, 0 on a CPU (vLLM's CPU
+    # build runs speculative decoding slower than the target).
     speed_repeats: int | None = None
     # Prompts (the first set's first ones) generated one after another for concurrency 1.
-    speed_prompts: int = 8
+    speed_prompts: int = 16
     # Seconds allowed for generating all prompts on one vLLM server (start-up not included).
     timeout_s: int = 1800
 
@@ -864,11 +884,24 @@ class RunnerConfig:
             n = self.hardware.num_gpus - self.hardware.tensor_parallel_size
         return max(n, 1)
 
+    def extract_clients(self) -> int:
+        """Client processes for vLLM extraction (extract.clients, or its default for this box)."""
+        if self.extract.clients is not None:
+            return self.extract.clients
+        if self.hardware.device == "cpu":
+            return 1
+        return max(1, min(4, (os.cpu_count() or 1) // 4, self.extract.concurrency))
+
     def extract_batch_tokens(self) -> int | None:
         """Tokens an extraction server runs in one step (at least one row); None: vLLM's."""
-        if self.extract.batch_tokens is None:
-            return None
-        return max(self.extract.batch_tokens, self.data.max_seq_len + 1)
+        step = self.extract.batch_tokens
+        if step is None:
+            if self.hardware.device == "cpu":
+                return None
+            # vLLM's own step, with chunked prefill off, is one context (2,049 tokens here: about
+            # four rows a step); prefill-only requests gain from more a step.
+            step = GPU_EXTRACT_BATCH_TOKENS
+        return max(step, self.data.max_seq_len + 1)
 
     def serves_while_training(self) -> bool:
         """Online training with a server the runner starts on this machine (not an endpoint)."""

@@ -295,6 +295,11 @@ class VllmServer(_ServerApi):
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    @property
+    def pid(self) -> int | None:
+        """The server's main (API server) process; vLLM's engine runs in its children."""
+        return self._proc.pid
+
     def wait_ready(self) -> None:
         t0 = self._proc.started_at or time.time()
         deadline = t0 + self.ready_timeout_s

@@ -68,6 +68,7 @@ phases)  # what `start` runs in the background: A side by side, then B, then C
   wait; echo "phase A: $(( $(date +%s) - s )) s" > $G/phases.txt
   unset EAGLE3_GPU_LANE_OVERRIDES
   lane b $G/root $L::test_the_pipeline_serves_its_draft_warm_and_explains_every_divergence \
+    $L::test_the_speed_ratio_agrees_with_an_independent_probe \
     $L::test_vllm_extraction_matches_the_in_process_backend_on_the_gpu
   echo "phase B: $(( $(date +%s) - s )) s" >> $G/phases.txt
   lane c $G/root $L::test_the_published_cards_command_serves_the_draft

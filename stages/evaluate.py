@@ -168,15 +168,17 @@ def _speed(
 ) -> dict[str, list[float]]:
     """Generated tokens per second, warm, `repeats` times each: at concurrency 1 (the first
     eval.speed_prompts prompts one after another) and at the evaluation's batch (the set's
-    prompts all at once)."""
+    prompts all at once). One pass of both comes first, untimed: the batch's shapes are new to
+    the server after the warm-up, and the first pass at them ran slower."""
     out: dict[str, list[float]] = {"c1": [], "batch": []}
     few = prompts[: cfg.eval.speed_prompts]
-    for _ in range(repeats):
+    for timed in [False] + [True] * repeats:
         for kind, chosen, alone in (("c1", few, True), ("batch", prompts, False)):
             t0 = time.perf_counter()
             outs = asyncio.run(_generate_all(server, chosen, cfg, one_at_a_time=alone))
             tokens = sum(len(o.choices[0].token_ids or []) for o in outs)
-            out[kind].append(tokens / (time.perf_counter() - t0))
+            if timed:
+                out[kind].append(tokens / (time.perf_counter() - t0))
     return out
 
 
@@ -350,16 +352,21 @@ def _spread(values: list[float]) -> float:
 
 def speed_metrics(draft: dict[str, list[float]], target: dict[str, list[float]]) -> dict[str, Any]:
     """The speed ratio (draft-served over the target alone, warm), at concurrency 1 and at the
-    evaluation's batch: the mean of the per-repeat ratios and their standard deviation."""
+    evaluation's batch: each server's median tokens/s over the repeats (a repeat slowed by
+    something else on the machine moves a median least), their ratio, and the standard
+    deviation of the per-repeat ratios as its spread."""
+    import statistics
+
     out: dict[str, Any] = {}
     for kind in ("c1", "batch"):
-        ratios = [d / t for d, t in zip(draft[kind], target[kind], strict=True)]
-        if not ratios:
+        if not draft[kind]:
             continue
-        out[f"speedup_{kind}"] = sum(ratios) / len(ratios)
+        d, t = statistics.median(draft[kind]), statistics.median(target[kind])
+        out[f"speedup_{kind}"] = d / t
+        ratios = [a / b for a, b in zip(draft[kind], target[kind], strict=True)]
         out[f"speedup_{kind}_std"] = _spread(ratios)
-        out[f"draft_tok_s_{kind}"] = sum(draft[kind]) / len(draft[kind])
-        out[f"target_tok_s_{kind}"] = sum(target[kind]) / len(target[kind])
+        out[f"draft_tok_s_{kind}"] = d
+        out[f"target_tok_s_{kind}"] = t
     return out
 
 
@@ -429,7 +436,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
             identical[name] = [d is None for d in differs[name]]
             metrics[f"{pre}target_tokens_per_s"] = _tokens_per_s(result)
         if repeats:
-            metrics.update(speed_metrics(spec[first]["speed"], target[first]["speed"]))
+            speeds = {"draft": spec[first]["speed"], "target": target[first]["speed"]}
+            (ctx.out / "speed.json").write_text(json.dumps(speeds, indent=1))  # every repeat
+            metrics.update(speed_metrics(speeds["draft"], speeds["target"]))
             metrics["speed_repeats"] = repeats
             metrics["speed_batch"] = len(sets[first])
         metrics.update(_identity_counts(differs))
@@ -472,11 +481,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 def speed_repeats(cfg: RunnerConfig) -> int:
-    """eval.speed_repeats, or its default: 3 on a GPU, none on a CPU (vLLM's CPU build runs
+    """eval.speed_repeats, or its default: 5 on a GPU, none on a CPU (vLLM's CPU build runs
     speculative decoding slower than the target alone: its ratio says nothing about serving)."""
     if cfg.eval.speed_repeats is not None:
         return cfg.eval.speed_repeats
-    return 3 if cfg.hardware.device == "cuda" else 0
+    return 5 if cfg.hardware.device == "cuda" else 0
 
 
 def _identity_counts(differs: dict[str, list[dict[str, Any] | None]]) -> dict[str, Any]:
@@ -569,7 +578,8 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
     if "speedup_c1" in metrics:
         lines.append(
             f"speed, warm, draft-served over the target alone ({metrics['speed_repeats']:.0f} "
-            f"repeats, mean ± sd): {metrics['speedup_c1']:.2f}x ± "
+            f"repeats; ratio of median tokens/s ± sd of the per-repeat ratios): "
+            f"{metrics['speedup_c1']:.2f}x ± "
             f"{metrics['speedup_c1_std']:.2f} at concurrency 1, {metrics['speedup_batch']:.2f}x "
             f"± {metrics['speedup_batch_std']:.2f} at batch {metrics['speed_batch']:.0f}"
             + (

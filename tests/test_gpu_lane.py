@@ -7,6 +7,8 @@ What it covers, each with the figures it prints (`GPU-FIGURES` lines) for docs/b
   the trained draft: acceptance per set and per position, the warm speed ratio at concurrency 1
   and at batch (with its spread), and every output that leaves the target's greedy path
   explained (near tie or mismatch);
+- that speed ratio against an independent probe on the same draft (benchmarks/speed_probe.py):
+  within 10%;
 - the learning curve: each epoch's draft served, both prompt sets;
 - `extract=vllm` against the in-process backend on the same rows: equal token ids, states within
   bf16 of each other, and both token rates with the server's start apart;
@@ -132,12 +134,31 @@ def test_the_pipeline_serves_its_draft_warm_and_explains_every_divergence(pipeli
     )
     assert m["acceptance_length"] > 1.2  # a trained draft, not a random one
     # Every divergence explained; a mismatch (not a near tie) fails the identity check.
-    assert m["speed_repeats"] == 3 and m["speed_batch"] == 80
+    assert m["speed_repeats"] == 5 and m["speed_batch"] == 80
     # A warm ratio: the 135M target is bound by kernel launches, so about 1x, not the 0.28x a
     # cold server measured.
     assert 0.5 < m["speedup_c1"] < 3.0 and m["speedup_c1_std"] < 0.2
+    speeds = json.loads((ev.path / "speed.json").read_text())
+    assert all(len(speeds[s][k]) == 5 for s in ("draft", "target") for k in ("c1", "batch"))
     identity = json.loads((ev.path / "identity.json").read_text())
     assert all(r["verdict"] != "mismatch" for r in identity)
+
+
+def test_the_speed_ratio_agrees_with_an_independent_probe(pipeline):
+    """benchmarks/speed_probe.py serves the same draft with the command the evaluation recorded
+    and measures it with its own client, warm-up and timing: the stage's ratio at concurrency 1
+    and at batch must be within 10% of the probe's."""
+    from benchmarks.speed_probe import probe
+    from runner.assets import load_prompt_sets
+
+    ev = pipeline.results["evaluate"]
+    cfg = _cfg()
+    prompts = next(iter(load_prompt_sets(cfg.eval).values()))
+    got = probe(ev.path, prompts, cfg.eval.speed_prompts, cfg.eval.max_new_tokens, repeats=5)
+    stage = {k: ev.metrics[f"speedup_{k}"] for k in ("c1", "batch")}
+    _figures("speed_probe", {"probe": {k: got[k] for k in stage}, "stage": stage})
+    for kind, ratio in stage.items():
+        assert abs(ratio / got[kind] - 1) <= 0.10, (kind, ratio, got[kind])
 
 
 def _cfg():

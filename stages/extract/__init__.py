@@ -69,6 +69,12 @@ def check_target(cfg: RunnerConfig, target: Target) -> None:
         check_preset(preset, target.facts.num_layers, "extract.superset_presets")
 
 
+def _clients(cfg: RunnerConfig) -> str:
+    n = cfg.extract_clients()
+    how = "extract.clients" if cfg.extract.clients is not None else "extract.clients, by default"
+    return f"{n} client process{'es' if n > 1 else ''} ({how})"
+
+
 def _step(cfg: RunnerConfig) -> str:
     step = cfg.extract_batch_tokens()
     return f", steps of up to {step:,} tokens (extract.batch_tokens)" if step else ""
@@ -160,7 +166,7 @@ def plan(p: Plan, view: PlanView) -> None:
             f"{who} extract_hidden_states with eagle_aux_hidden_state_layer_ids "
             f"{ext}, "
             f"chunked prefill and prefix caching off, {x.concurrency} requests in "
-            f"flight{_step(cfg)}, {x.max_retries} retries per sample",
+            f"flight from {_clients(cfg)}{_step(cfg)}, {x.max_retries} retries per sample",
         )
     else:
         hooks = [f"{w}:{i}" for w, i in (hook_point(k, facts.num_layers) for k in ext)]

@@ -6,8 +6,10 @@ final layer before the norm included) and vLLM's hidden-states connector, which 
 safetensors file per request; on CPU the connector is `runner.integrations.vllm_cpu_connector`.
 Requests are
 sent by speculators' own data-generation client (`speculators generate-offline-data` as a
-function: its request loop, retries, lock waits, moves and output checks), one per prepared row,
-so the files are `hs_{i}.safetensors` with `hidden_states` [seq, slots, hidden] and `token_ids`,
+function: its request loop, retries, lock waits and moves), one per prepared row, from this
+process or, with `extract.clients` above 1, from that many processes each over its share of the
+rows (stages/extract/client_shard.py: one Python client sends about 100 requests a second at
+most). The files are `hs_{i}.safetensors` with `hidden_states` [seq, slots, hidden] and `token_ids`,
 exactly what the transformers backend writes.
 
 Resume: files land in the stage's scratch folder, which survives a failed or interrupted run;
@@ -17,9 +19,12 @@ check). Once every row has a valid file they are moved into the artifact.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +32,7 @@ from typing import Any
 
 from runner.errors import StageError
 from runner.integrations.speculators import recording_skips
+from runner.process import ManagedProcess
 from runner.schema import RunnerConfig
 from runner.stage import StageContext
 from runner.store import fmt_bytes
@@ -72,6 +78,61 @@ def server_args(cfg: RunnerConfig, facts: ModelFacts, staging: Path) -> list[str
     ]
 
 
+class ClientExit(Exception):
+    """speculators' client stopped with exit `code` (130: interrupted); `failed`: the samples it
+    had given up on by then, with the reason."""
+
+    def __init__(self, code: int | str | None, failed: dict[int, str]):
+        super().__init__(f"exit {code}")
+        self.code, self.failed = code, failed
+
+
+def client_pass(
+    url: str,
+    model: str,
+    requests_dir: Path,
+    out_dir: Path,
+    *,
+    concurrency: int,
+    request_timeout_s: float,
+    max_retries: int,
+    max_samples: int | None = None,
+    world: int = 1,
+    rank: int = 0,
+) -> dict[int, str]:
+    """speculators' data-generation client over share `rank` of `world` of the rows (its own
+    split); the samples it gave up on. Raises ClientExit if the client stops."""
+    # speculators takes seconds to import: only when a stage runs (the train stage and the plan
+    # import this module for `server_args`, and every command line would pay it).
+    from speculators.cli.generate_offline_data import generate_offline_data
+
+    with recording_skips() as rec, quiet_http_logs():
+        try:
+            generate_offline_data(
+                model=model,
+                endpoint=url,
+                preprocessed_data=str(requests_dir),
+                output=str(out_dir),
+                max_samples=max_samples,
+                concurrency=concurrency,
+                # Every file is read and checked once afterwards (with the statistics); the
+                # client's own check would read each a second time.
+                validate_outputs=False,
+                request_timeout=request_timeout_s,
+                max_retries=max_retries,
+                fail_on_error=False,
+                # Isolated failures are collected and reported by sample; this many in a row
+                # (after retries) means the server is gone, and the client stops instead of
+                # retrying every remaining sample against it.
+                max_consecutive_errors=2 * concurrency,
+                world_size=world,
+                rank=rank,
+            )
+        except SystemExit as exc:
+            raise ClientExit(exc.code, rec.failed) from None
+    return rec.failed
+
+
 def _run_client(
     server: VllmServer | ExistingServer,
     requests_dir: Path,
@@ -79,47 +140,127 @@ def _run_client(
     cfg: RunnerConfig,
     max_samples: int | None,
     concurrency: int | None = None,
+    clients: int | None = None,
+    logs: Path | None = None,
 ) -> dict[int, str]:
-    """speculators' data-generation client against the server; the samples it gave up on."""
-    # speculators takes seconds to import: only when a stage runs (the train stage and the plan
-    # import this module for `server_args`, and every command line would pay it).
-    from speculators.cli.generate_offline_data import generate_offline_data
-
+    """speculators' data-generation client against the server, in this process or (with
+    extract.clients above 1) in that many processes, each over its share of the rows; the
+    samples they gave up on."""
     e = cfg.extract
     concurrency = concurrency or e.concurrency
-    with recording_skips() as rec, quiet_http_logs():
-        try:
-            generate_offline_data(
-                model=server.model_id,
-                endpoint=server.url,
-                preprocessed_data=str(requests_dir),
-                output=str(out_dir),
-                max_samples=max_samples,
+    # A probe of a few samples needs no more than one client.
+    clients = 1 if max_samples is not None else (clients or cfg.extract_clients())
+    try:
+        if clients == 1:
+            return client_pass(
+                server.url,
+                str(server.model_id),
+                requests_dir,
+                out_dir,
                 concurrency=concurrency,
-                # Every file is read and checked once below (with the statistics); the client's
-                # own check would read each a second time.
-                validate_outputs=False,
-                request_timeout=e.request_timeout_s,
+                request_timeout_s=e.request_timeout_s,
                 max_retries=e.max_retries,
-                fail_on_error=False,
-                # Isolated failures are collected and reported by sample below; this many in a
-                # row (after retries) means the server is gone, and the client stops instead of
-                # retrying every remaining sample against it.
-                max_consecutive_errors=2 * concurrency,
-                world_size=1,
-                rank=0,
+                max_samples=max_samples,
             )
-        except SystemExit as exc:
-            if exc.code == 130:
-                raise KeyboardInterrupt from None
-            server.check_alive()  # a dead server is the reason: say so, with its log
-            if rec.failed:
-                raise StageError(_failed_samples(rec.failed, cfg, out_dir)) from None
-            raise StageError(
-                f"speculators' data-generation client failed (exit {exc.code}); see the log "
-                f"above and {server.log_path}"
-            ) from None
-    return rec.failed
+        return _client_processes(
+            server, requests_dir, out_dir, cfg, concurrency, clients, logs or out_dir.parent
+        )
+    except ClientExit as exc:
+        if exc.code == 130:
+            raise KeyboardInterrupt from None
+        server.check_alive()  # a dead server is the reason: say so, with its log
+        if exc.failed:
+            raise StageError(_failed_samples(exc.failed, cfg, out_dir)) from None
+        raise StageError(
+            f"speculators' data-generation client failed (exit {exc.code}); see the log "
+            f"above and {server.log_path}"
+        ) from None
+
+
+def _worth_echoing(line: str) -> bool:
+    # A client process's progress stays in its log; its warnings (retries, skipped samples) and
+    # errors are printed too.
+    return any(word in line for word in ("WARNING", "ERROR", "Traceback", "Error"))
+
+
+def _client_processes(
+    server: VllmServer | ExistingServer,
+    requests_dir: Path,
+    out_dir: Path,
+    cfg: RunnerConfig,
+    concurrency: int,
+    clients: int,
+    logs: Path,
+) -> dict[int, str]:
+    """`clients` client processes (stages/extract/client_shard.py), each over its share of the
+    rows with its part of the requests in flight; waits for all, logging progress."""
+    import datasets
+
+    total = len(datasets.load_from_disk(str(requests_dir)))
+    e = cfg.extract
+    per = -(-concurrency // clients)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+        "TQDM_DISABLE": "1",  # progress is logged here, from the files written
+    }
+    logs.mkdir(parents=True, exist_ok=True)
+    failed: dict[int, str] = {}
+    log.info(
+        "[extract] %d client processes, %d requests in flight each (extract.clients, "
+        "extract.concurrency); their logs: %s",
+        clients,
+        per,
+        logs / "client_*.log",
+    )
+    with contextlib.ExitStack() as stack:
+        pending: dict[int, tuple[ManagedProcess, Path]] = {}
+        for rank in range(clients):
+            result = logs / f"client_{rank}.json"
+            result.unlink(missing_ok=True)
+            spec = {
+                "url": server.url,
+                "model": str(server.model_id),
+                "requests": str(requests_dir),
+                "out": str(out_dir),
+                "concurrency": per,
+                "request_timeout_s": e.request_timeout_s,
+                "max_retries": e.max_retries,
+                "world": clients,
+                "rank": rank,
+                "result": str(result),
+            }
+            proc = ManagedProcess(
+                [sys.executable, "-m", "stages.extract.client_shard", json.dumps(spec)],
+                env,
+                logs / f"client_{rank}.log",
+                label=f"extract:client {rank}",
+                cwd=Path(root),
+                echo=_worth_echoing,
+            )
+            stack.enter_context(proc)
+            pending[rank] = (proc, result)
+        t0 = shown = time.time()
+        while pending:
+            for rank, (proc, result) in list(pending.items()):
+                code = proc.exited()
+                if code is None:
+                    continue
+                del pending[rank]
+                got = json.loads(result.read_text()) if result.exists() else {"failed": {}}
+                failed.update({int(k): v for k, v in got["failed"].items()})
+                if code != 0:
+                    log.warning("[extract] client %d exited %s; %s", rank, code, proc.tail_text(5))
+                    raise ClientExit(code, failed)
+            if time.time() - shown >= 30:
+                shown = time.time()
+                done = sum(1 for _ in out_dir.glob("hs_*.safetensors"))
+                log.info(
+                    "[extract] %d of %d sample files written (%.0f s)", done, total, shown - t0
+                )
+            time.sleep(0.2)
+    return failed
 
 
 def _failed_samples(why: dict[int, str], cfg: RunnerConfig, done_dir: Path) -> str:
@@ -208,7 +349,9 @@ def extract(
             selftest["selftest_s"],
         )
         t0 = time.time()
-        failed = _run_client(server, requests_dir, done_dir, cfg, max_samples=None)
+        failed = _run_client(
+            server, requests_dir, done_dir, cfg, max_samples=None, logs=log_path.parent
+        )
         seconds = time.time() - t0
         server.check_alive()
         start_s = server.start_s
@@ -262,6 +405,7 @@ def extract(
         # Reading, checking and summarising every file after the client (not in tokens_per_s).
         "check_s": time.time() - t_check,
         "concurrency": float(cfg.extract.concurrency),
+        "clients": float(cfg.extract_clients()),
         **selftest,
         "resumed_samples": len(before),
         "redone_unreadable": len(unreadable),

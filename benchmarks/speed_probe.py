@@ -1,0 +1,158 @@
+"""An independent check of the evaluate stage's speed ratio: the same draft served by the command
+its evaluation recorded, measured by other code.
+
+What is shared with the stage: the servers' command lines (the draft's is the `serve_command` in
+the evaluate artifact's manifest, the one a user pastes; the target's is the same without
+`--speculative-config`) and the prompts. What is not: the client (plain HTTP from threads, not the
+OpenAI client library), the warm-up (three passes of everything measured, untimed), the timing
+(per server, its median over repeats) and the token count (the server's `usage`, not the
+returned token ids). Each server runs alone, the target first.
+
+X
+
+Prints one `BENCH` JSON line per server and one with the ratios next to the stage's own; the GPU
+lane holds the two within 10% (tests/test_gpu_lane.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def _line(name: str, values: dict) -> None:
+    print(f"BENCH {name} {json.dumps(values)}", flush=True)
+
+
+def _without_draft(words: list[str]) -> list[str]:
+    i = words.index("--speculative-config")
+    return words[:i] + words[i + 2 :]
+
+
+def _post(base: str, body: dict[str, Any]) -> int:
+    request = urllib.request.Request(
+        f"{base}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=600) as r:
+        return int(json.loads(r.read())["usage"]["completion_tokens"])
+
+
+def _rate(base: str, model: str, prompts: list[str], max_tokens: int, at_once: bool) -> float:
+    """Generated tokens per second over `prompts`, one after another or all at once."""
+
+    def one(prompt: str) -> int:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "seed": 0,
+        }
+        return _post(base, body)
+
+    t0 = time.perf_counter()
+    if at_once:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            tokens = sum(pool.map(one, prompts))
+    else:
+        tokens = sum(one(p) for p in prompts)
+    return tokens / (time.perf_counter() - t0)
+
+
+def measure(
+    words: list[str],
+    env: dict[str, str],
+    prompts: list[str],
+    c1_prompts: int,
+    max_tokens: int,
+    repeats: int,
+    log: Path,
+    label: str,
+) -> dict[str, Any]:
+    """Start the server `words`, warm it, and measure both rates `repeats` times."""
+    from runner.vllm_server import VllmServer, free_port
+
+    words = list(words)
+    words[words.index("--port") + 1] = str(free_port())
+    rates: dict[str, list[float]] = {"c1": [], "batch": []}
+    with VllmServer(words, {**os.environ, **env}, log, f"probe:{label}", 1800.0) as server:
+        model = server.served_model()
+        for timed in [False] * 3 + [True] * repeats:
+            for kind, chosen, at_once in (
+                ("c1", prompts[:c1_prompts], False),
+                ("batch", prompts, True),
+            ):
+                rate = _rate(server.base, model, chosen, max_tokens, at_once)
+                if timed:
+                    rates[kind].append(rate)
+        start_s = server.start_s
+    out = {k: statistics.median(v) for k, v in rates.items()}
+    return {"median": out, "repeats": rates, "server_start_s": start_s}
+
+
+def probe(
+    evaluate_dir: Path, prompts: list[str], c1_prompts: int, max_tokens: int, repeats: int
+) -> dict[str, Any]:
+    """The ratio (draft-served over the target alone) at concurrency 1 and at batch, measured
+    independently of the stage on the draft its artifact served."""
+    manifest = json.loads((evaluate_dir / "manifest.json").read_text())
+    words = shlex.split(manifest["served"]["serve_command"])
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        k, v = words.pop(0).split("=", 1)
+        env[k] = v
+    logs = Path(tempfile.mkdtemp(prefix="speed-probe-"))  # the servers' logs, kept
+    got = {}
+    for label, command in (("target", _without_draft(words)), ("draft", words)):
+        got[label] = measure(
+            command, env, prompts, c1_prompts, max_tokens, repeats, logs / f"{label}.log", label
+        )
+        _line(f"probe_{label}", got[label])
+    ratios = {k: got["draft"]["median"][k] / got["target"]["median"][k] for k in ("c1", "batch")}
+    stage = manifest.get("metrics", {})
+    _line(
+        "probe_ratio",
+        {
+            "logs": str(logs),
+            "probe": ratios,
+            "stage": {k: stage.get(f"speedup_{k}") for k in ("c1", "batch")},
+            "batch": len(prompts),
+            "c1_prompts": c1_prompts,
+            "repeats": repeats,
+        },
+    )
+    return {**ratios, "servers": got}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("evaluate_dir", type=Path)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_intermixed_args(argv)
+
+    import runner.__main__  # noqa: F401  (registers the schema)
+    from runner.assets import load_prompt_sets
+    from runner.schema import typed
+    from tests.conftest import compose
+
+    cfg = typed(compose(a.overrides))
+    prompts = next(iter(load_prompt_sets(cfg.eval).values()))
+    probe(a.evaluate_dir, prompts, cfg.eval.speed_prompts, cfg.eval.max_new_tokens, a.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
