@@ -1,19 +1,20 @@
 """vLLM extraction against in-process extraction on the same rows, measured in one run: where the
-vLLM path's time goes as the requests in flight, the client processes and the server's step size
-change.
+vLLM path's time goes as the requests in flight, the client and the server's step size change.
 
-For each step size (`--batch-tokens`, extract.batch_tokens; `0`: vLLM's own) one extraction server
-is started with the extract stage's own flags (`stages.extract.vllm_backend.server_args`); the
-stage's own client call then sends the same prepared rows for each concurrency x client-process
-count, each pass into a fresh folder; the in-process (transformers) backend extracts the same rows
-once. Every figure is printed as one `BENCH` JSON line: rows/s, tokens/s, the ratio to in process,
-and CPU milliseconds per row in the client processes, the server's API process(es) and its engine
-core and workers (the process that is near 1,000 ms of CPU per second of wall is the bound).
+For each step size (`--batch-tokens`, extract.batch_tokens; `0`: the config's default) one
+extraction server is started with the extract stage's own flags (`stages.extract.vllm_backend.
+server_args`); for each concurrency the same prepared rows are sent by each client, each pass into
+a fresh folder: `runner` is the stage's own request loop (runner/integrations/
+vllm_hidden_states_client.py), `speculators` speculators' data-generation client, which the stage
+used before. The in-process (transformers) backend extracts the same rows once. Every figure is
+one `BENCH` JSON line: rows/s, tokens/s, the ratio to in process, and CPU milliseconds per row in
+the client (this process), the server's API process and its engine core (whichever is near 1.0
+CPU-second per second, `cpu_busy`, is the bound).
 
 Usage (runner overrides after `--`; the prepared rows come from the runner's store, computed if
 missing):
-    python -m benchmarks.vllm_extract_bench --concurrency 64 --clients 1 2 4 8 \
-        --batch-tokens 0 16384 -- hardware=gpu1 data.num_samples=1500
+    python -m benchmarks.vllm_extract_bench --concurrency 64 --clients runner speculators \
+        --batch-tokens 2049 16384 -- hardware=gpu1 data.num_samples=1500
 """
 
 from __future__ import annotations
@@ -33,14 +34,27 @@ def _line(name: str, values: dict) -> None:
     print(f"BENCH {name} {json.dumps(values)}", flush=True)
 
 
+def _speculators_client(server, requests: Path, out: Path, concurrency: int) -> None:
+    """speculators' data-generation client over the same rows (what the stage used before)."""
+    from speculators.cli.generate_offline_data import generate_offline_data
+
+    generate_offline_data(
+        model=server.model_id,
+        endpoint=server.url,
+        preprocessed_data=str(requests),
+        output=str(out),
+        concurrency=concurrency,
+        validate_outputs=False,
+    )
+
+
 def _cpu(server) -> dict[str, float]:
-    """CPU seconds so far: the client side (this process and its waited-for children: the client
-    processes) and each kind of server process (API server, engine core, workers)."""
+    """CPU seconds so far: the client (this process) and each kind of server process (API
+    server, engine core, workers)."""
     import psutil
 
     me = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = {"client": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime}
+    out = {"client": me.ru_utime + me.ru_stime}
     top = psutil.Process(server.pid)
     for p in [top, *top.children(recursive=True)]:
         try:
@@ -55,7 +69,9 @@ def _cpu(server) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64])
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4])
+    ap.add_argument(
+        "--clients", nargs="+", choices=["runner", "speculators"], default=["runner", "speculators"]
+    )
     ap.add_argument("--batch-tokens", type=int, nargs="+", default=[0])
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
@@ -67,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from runner.schema import typed
     from runner.vllm_server import serve
     from stages import REGISTRY
-    from stages.extract.vllm_backend import _run_client, server_args
+    from stages.extract.vllm_backend import fetch, server_args
     from tests.conftest import compose
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -99,12 +115,14 @@ def main(argv: list[str] | None = None) -> int:
                         out = work / f"out-{c}-{k}"
                         before = _cpu(server)
                         t0 = time.time()
-                        # The stage's own client call, at this concurrency and client count.
-                        _run_client(server, requests, out, cfg, None, c, k, work / "logs")
+                        if k == "runner":  # the stage's own call
+                            fetch(server, dict(enumerate(ids)), out, cfg, concurrency=c)
+                        else:
+                            _speculators_client(server, requests, out, c)
                         s = time.time() - t0
                         cpu = {n: (v - before.get(n, 0.0)) for n, v in _cpu(server).items()}
                         _line(
-                            f"vllm_step{step}_c{c}_clients{k}",
+                            f"vllm_step{step}_c{c}_{k}",
                             {
                                 "rows": len(ids),
                                 "seconds": s,

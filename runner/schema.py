@@ -499,7 +499,7 @@ def _check_sources(d: DataConfig) -> None:
 class ExtractConfig:
     # transformers: in-process Hugging Face forward with hooks (small and medium targets).
     # vllm: a vLLM server the runner starts (extract_hidden_states method + hidden-states
-    # connector), driven by speculators' data-generation client (targets only an engine can hold).
+    # connector), one request per row (targets only an engine can hold).
     backend: ExtractBackend = ExtractBackend.transformers
     # How hidden states are stored: bf16 (the target's dtype) or fp8 (per-token scaled e4m3,
     # read by speculators' fp8 backend with no conversion step). Statistics come from the
@@ -509,15 +509,9 @@ class ExtractConfig:
     # each sample from a vLLM server (started by the train stage, or hardware.vllm.endpoint),
     # every epoch again. Online needs backend vllm.
     mode: ExtractMode = ExtractMode.offline
-    # vLLM backend: requests in flight (all clients together), seconds per request, and retries
-    # per sample before the stage fails naming it.
+    # vLLM backend: requests in flight, seconds per request, and retries per sample before the
+    # stage fails naming it.
     concurrency: int = 8
-    # Client processes sending them, each speculators' data-generation client over its share of
-    # the rows (its world_size / rank). One client process tops out near 100 requests/s: the
-    # OpenAI client library walks every prompt token id in Python (on an H200 with the 135M
-    # target that capped extraction at half the in-process rate; docs/benchmarks.md).
-    # null: 1 on a CPU (the CPU engine needs the cores), else one per 4 cores, at most 4.
-    clients: int | None = None
     # Tokens the extraction server runs in one step (vLLM --max-num-batched-tokens; chunked
     # prefill is off, so a row is never split, and a step holds at least one). null: 16,384 on a
     # GPU, vLLM's own default on a CPU.
@@ -540,15 +534,6 @@ class ExtractConfig:
                 "server; use extract=online (backend vllm, mode online) or extract.mode=offline",
             )
         _at_least("extract.concurrency", self.concurrency, 1)
-        if self.clients is not None:
-            _at_least("extract.clients", self.clients, 1)
-            if self.clients > self.concurrency:
-                raise ConfigError(
-                    "extract.clients",
-                    f"{self.clients} client processes for {self.concurrency} requests in flight "
-                    "(extract.concurrency) leaves some with none; lower extract.clients or raise "
-                    "extract.concurrency",
-                )
         if self.batch_tokens is not None:
             _at_least("extract.batch_tokens", self.batch_tokens, 16)
         if self.share_gpu is not None and not 0.05 <= self.share_gpu <= 0.9:
@@ -883,14 +868,6 @@ class RunnerConfig:
             # The server the train stage starts takes tensor_parallel_size GPUs of the box.
             n = self.hardware.num_gpus - self.hardware.tensor_parallel_size
         return max(n, 1)
-
-    def extract_clients(self) -> int:
-        """Client processes for vLLM extraction (extract.clients, or its default for this box)."""
-        if self.extract.clients is not None:
-            return self.extract.clients
-        if self.hardware.device == "cpu":
-            return 1
-        return max(1, min(4, (os.cpu_count() or 1) // 4, self.extract.concurrency))
 
     def extract_batch_tokens(self) -> int | None:
         """Tokens an extraction server runs in one step (at least one row); None: vLLM's."""

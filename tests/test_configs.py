@@ -116,8 +116,6 @@ def test_wrong_type_is_rejected_with_its_name():
         (["hardware.tensor_parallel_size=2"], "hardware.tensor_parallel_size"),  # TP on CPU
         (["hardware.cpu_threads=-1"], "hardware.cpu_threads"),
         (["extract=vllm", "extract.concurrency=0"], "extract.concurrency"),
-        (["extract=vllm", "extract.clients=9"], "extract.clients"),
-        (["extract=vllm", "extract.clients=0"], "extract.clients"),
         (["extract.superset_presets=[middle]"], "extract.superset_presets"),
         (["model.capture_preset=middle"], "model.capture_preset"),
         (["hardware.vllm.ready_timeout_s=0"], "hardware.vllm.ready_timeout_s"),

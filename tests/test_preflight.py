@@ -416,14 +416,3 @@ def test_the_extraction_servers_step_size_is_a_setting_that_holds_a_row(tmp_path
     # On a GPU, unset: 16,384 (vLLM's own is one context, a few rows a step).
     gpu = server_args(cfg("hardware=gpu1"), Facts(), tmp_path)
     assert gpu[gpu.index("--max-num-batched-tokens") + 1] == "16384"
-
-
-def test_the_plan_says_how_many_client_processes_send_the_extraction_requests(tmp_path):
-    """extract.clients splits the rows over that many client processes (one tops out near 100
-    requests/s); unset it is 1 on a CPU, whose engine needs the cores, and the plan says so."""
-    from runner.schema import typed
-
-    text = plan(tmp_path, "extract=vllm", "extract.clients=3").plan.render()
-    assert "8 requests in flight from 3 client processes (extract.clients)" in text
-    cpu = typed(compose(["extract=vllm", f"run.output_root={tmp_path}"]))
-    assert cpu.extract_clients() == 1

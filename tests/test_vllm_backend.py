@@ -243,7 +243,7 @@ def test_regeneration_backends_give_the_same_greedy_answers(root):
 
 
 def test_vllm_extraction_resumes_and_redoes_unreadable_files(runs, root):
-    """Also with two client processes, each over its share of the rows: the same files as one."""
+    """The resumed artifact holds the same files as the uninterrupted run's."""
     art = runs["vllm"].results["extract"].path
     scratch = root / "scratch" / f"extract-{art.name}" / "hidden_states"
     scratch.mkdir(parents=True)
@@ -260,16 +260,15 @@ def test_vllm_extraction_resumes_and_redoes_unreadable_files(runs, root):
                 "run.stages=[prepare,extract]",
                 "run.force=[extract]",
                 "run.name=resume",
-                "extract.clients=2",
             ]
         )
     )
     m = result.results["extract"].metrics
-    assert (m["resumed_samples"], m["redone_unreadable"], m["clients"]) == (5, 1, 2)
+    assert (m["resumed_samples"], m["redone_unreadable"]) == (5, 1)
     out = result.results["extract"].path
     redone = load_file(str(out / "hidden_states" / "hs_5.safetensors"))
     assert redone["hidden_states"].shape[1] == 4 and torch.isfinite(redone["hidden_states"]).all()
-    # Every row, whichever process sent it: the same token ids and states as one client wrote.
+    # Every row: the same token ids, and the same states up to bf16 noise of other batch shapes.
     one = sorted(p.name for p in (art / "hidden_states").glob("hs_*.safetensors"))
     assert sorted(p.name for p in (out / "hidden_states").glob("hs_*.safetensors")) == one
     for name in one:
@@ -277,7 +276,6 @@ def test_vllm_extraction_resumes_and_redoes_unreadable_files(runs, root):
         assert torch.equal(got["token_ids"], ref["token_ids"]), name
         diff = (got["hidden_states"].float() - ref["hidden_states"].float()).norm()
         assert diff <= 0.02 * ref["hidden_states"].float().norm(), name  # batch shapes: bf16 noise
-    assert {p.name for p in (out / "logs").glob("client_*.log")} == {"client_0.log", "client_1.log"}
     assert not scratch.exists(), "the resume folder is removed once the artifact is published"
 
 
@@ -380,7 +378,7 @@ def test_a_server_that_dies_mid_extraction_ends_the_stage_with_its_log(runs, roo
             "run.name=server-killed",
         ],
         root,
-        lambda line: "Processing" in line and "Processing 1 samples" not in line,
+        lambda line: "[extract] requesting the hidden states of" in line,
     )  # main pass begun
     for pid in _servers_under(root):
         os.kill(pid, signal.SIGKILL)  # e.g. the OOM killer

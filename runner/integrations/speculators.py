@@ -23,8 +23,6 @@ Private APIs touched:
   to refuse one it does not know: `from_sources` ignores it) and
   `speculators.train.config.resolution.ConfigError` (`resolve_train_config`); the checkpoint
   folder's layout (`epoch_dirs`, `best_checkpoint`, `RESUME_ONLY`).
-- the log line "Skipping sample N due to error: ..." of
-  `speculators.cli.generate_offline_data` (`SkipRecorder`: names the samples it gave up on).
 """
 
 from __future__ import annotations
@@ -51,9 +49,6 @@ from runner.versions import lib_version
 PROGRESS_EVERY_S = 30.0
 # "1": speculators' per-step records also go to the console (train.echo_steps).
 ECHO_STEPS_ENV = "EAGLE3_RUNNER_ECHO_STEPS"
-# speculators' data-generation client logs each sample it gives up on with this line.
-_SKIPPED = re.compile(r"Skipping sample (\d+) due to error: (.*)")
-GENERATE_LOGGER = "speculators.cli.generate_offline_data"
 log = logging.getLogger("runner")
 
 
@@ -381,30 +376,6 @@ def register_slot_backend() -> None:
     """Register the "runner-slots" hidden-states backend (runner/integrations/
     speculators_slots.py), which returns only the slots listed in EAGLE3_RUNNER_SLOTS."""
     import runner.integrations.speculators_slots  # noqa: F401  (registers on import; imports torch)
-
-
-class SkipRecorder(logging.Handler):
-    """Collects the samples speculators' data-generation client gave up on, with its reason."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.failed: dict[int, str] = {}
-
-    def emit(self, record: logging.LogRecord) -> None:
-        m = _SKIPPED.match(record.getMessage())
-        if m:
-            self.failed[int(m.group(1))] = m.group(2)
-
-
-@contextmanager
-def recording_skips() -> Iterator[SkipRecorder]:
-    rec = SkipRecorder()
-    logger = logging.getLogger(GENERATE_LOGGER)
-    logger.addHandler(rec)
-    try:
-        yield rec
-    finally:
-        logger.removeHandler(rec)
 
 
 class Refused(Exception):

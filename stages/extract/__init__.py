@@ -9,7 +9,8 @@ before the final norm) and `token_ids` [seq], plus `layer_stats.json` and `captu
 Two backends (`extract.backend`), one module each in this package, with the same files as
 output, so later stages cannot tell them apart:
 - `transformers_backend`: the target in process with forward hooks on its decoder layers.
-- `vllm_backend`: a vLLM server the runner starts, driven by speculators' data-generation client.
+- `vllm_backend`: a vLLM server the runner starts, one request per row from the runner's own
+  request loop (runner/integrations/vllm_hidden_states_client.py).
 Each exposes `extract(ctx, rows, out_dir, stats)`, which writes hs_{i}.safetensors for row i,
 feeds `stats`, and returns at least tokens, seconds and tokens_per_s.
 
@@ -67,12 +68,6 @@ def check_target(cfg: RunnerConfig, target: Target) -> None:
     """A sweep's superset presets must give valid ids on this target, like model's own."""
     for preset in cfg.extract.superset_presets:
         check_preset(preset, target.facts.num_layers, "extract.superset_presets")
-
-
-def _clients(cfg: RunnerConfig) -> str:
-    n = cfg.extract_clients()
-    how = "extract.clients" if cfg.extract.clients is not None else "extract.clients, by default"
-    return f"{n} client process{'es' if n > 1 else ''} ({how})"
 
 
 def _step(cfg: RunnerConfig) -> str:
@@ -166,7 +161,7 @@ def plan(p: Plan, view: PlanView) -> None:
             f"{who} extract_hidden_states with eagle_aux_hidden_state_layer_ids "
             f"{ext}, "
             f"chunked prefill and prefix caching off, {x.concurrency} requests in "
-            f"flight from {_clients(cfg)}{_step(cfg)}, {x.max_retries} retries per sample",
+            f"flight{_step(cfg)}, {x.max_retries} retries per sample",
         )
     else:
         hooks = [f"{w}:{i}" for w, i in (hook_point(k, facts.num_layers) for k in ext)]

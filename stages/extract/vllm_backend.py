@@ -4,13 +4,11 @@ Selected with `python -m runner extract=vllm` (or `extract.backend=vllm`). The s
 target with the `extract_hidden_states` speculative method (capture ids in vLLM's convention,
 final layer before the norm included) and vLLM's hidden-states connector, which writes one
 safetensors file per request; on CPU the connector is `runner.integrations.vllm_cpu_connector`.
-Requests are
-sent by speculators' own data-generation client (`speculators generate-offline-data` as a
-function: its request loop, retries, lock waits and moves), one per prepared row, from this
-process or, with `extract.clients` above 1, from that many processes each over its share of the
-rows (stages/extract/client_shard.py: one Python client sends about 100 requests a second at
-most). The files are `hs_{i}.safetensors` with `hidden_states` [seq, slots, hidden] and `token_ids`,
-exactly what the transformers backend writes.
+Requests go out one per prepared row from the runner's own request loop (runner/integrations/
+vllm_hidden_states_client.py; speculators' data-generation client speaks the same protocol but
+spends 9 to 16 ms of CPU a row, which capped extraction on a GPU). The files are
+`hs_{i}.safetensors` with `hidden_states` [seq, slots, hidden] and `token_ids`, exactly what the
+transformers backend writes.
 
 Resume: files land in the stage's scratch folder, which survives a failed or interrupted run;
 the next run skips samples whose files are readable and redoes unreadable ones (speculators'
@@ -19,25 +17,21 @@ check). Once every row has a valid file they are moved into the artifact.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from runner.errors import StageError
-from runner.integrations.speculators import recording_skips
-from runner.process import ManagedProcess
+from runner.integrations.vllm_hidden_states_client import ServerGone, fetch_rows
 from runner.schema import RunnerConfig
 from runner.stage import StageContext
 from runner.store import fmt_bytes
 from runner.target_facts import ModelFacts
-from runner.vllm_server import ExistingServer, VllmServer, engine_args, quiet_http_logs, serve
+from runner.vllm_server import ExistingServer, VllmServer, engine_args, serve
 from stages.extract import final_slot
 from stages.extract.samples import LayerStats, write_sample
 
@@ -78,189 +72,39 @@ def server_args(cfg: RunnerConfig, facts: ModelFacts, staging: Path) -> list[str
     ]
 
 
-class ClientExit(Exception):
-    """speculators' client stopped with exit `code` (130: interrupted); `failed`: the samples it
-    had given up on by then, with the reason."""
-
-    def __init__(self, code: int | str | None, failed: dict[int, str]):
-        super().__init__(f"exit {code}")
-        self.code, self.failed = code, failed
-
-
-def client_pass(
-    url: str,
-    model: str,
-    requests_dir: Path,
-    out_dir: Path,
-    *,
-    concurrency: int,
-    request_timeout_s: float,
-    max_retries: int,
-    max_samples: int | None = None,
-    world: int = 1,
-    rank: int = 0,
-) -> dict[int, str]:
-    """speculators' data-generation client over share `rank` of `world` of the rows (its own
-    split); the samples it gave up on. Raises ClientExit if the client stops."""
-    # speculators takes seconds to import: only when a stage runs (the train stage and the plan
-    # import this module for `server_args`, and every command line would pay it).
-    from speculators.cli.generate_offline_data import generate_offline_data
-
-    with recording_skips() as rec, quiet_http_logs():
-        try:
-            generate_offline_data(
-                model=model,
-                endpoint=url,
-                preprocessed_data=str(requests_dir),
-                output=str(out_dir),
-                max_samples=max_samples,
-                concurrency=concurrency,
-                # Every file is read and checked once afterwards (with the statistics); the
-                # client's own check would read each a second time.
-                validate_outputs=False,
-                request_timeout=request_timeout_s,
-                max_retries=max_retries,
-                fail_on_error=False,
-                # Isolated failures are collected and reported by sample; this many in a row
-                # (after retries) means the server is gone, and the client stops instead of
-                # retrying every remaining sample against it.
-                max_consecutive_errors=2 * concurrency,
-                world_size=world,
-                rank=rank,
-            )
-        except SystemExit as exc:
-            raise ClientExit(exc.code, rec.failed) from None
-    return rec.failed
-
-
-def _run_client(
+def fetch(
     server: VllmServer | ExistingServer,
-    requests_dir: Path,
+    rows: dict[int, Sequence[int]],
     out_dir: Path,
     cfg: RunnerConfig,
-    max_samples: int | None,
     concurrency: int | None = None,
-    clients: int | None = None,
-    logs: Path | None = None,
 ) -> dict[int, str]:
-    """speculators' data-generation client against the server, in this process or (with
-    extract.clients above 1) in that many processes, each over its share of the rows; the
-    samples they gave up on."""
+    """The hidden states of `rows` ({row: token ids}) from the server into out_dir, with
+    extract.concurrency requests in flight (runner/integrations/vllm_hidden_states_client.py);
+    the rows given up on, with the reason. A server that stops answering ends the stage."""
+    from tqdm import tqdm
+
     e = cfg.extract
-    concurrency = concurrency or e.concurrency
-    # A probe of a few samples needs no more than one client.
-    clients = 1 if max_samples is not None else (clients or cfg.extract_clients())
+    bar = tqdm(total=len(rows), desc="extract", unit="row", disable=len(rows) < 2)
     try:
-        if clients == 1:
-            return client_pass(
-                server.url,
-                str(server.model_id),
-                requests_dir,
-                out_dir,
-                concurrency=concurrency,
-                request_timeout_s=e.request_timeout_s,
-                max_retries=e.max_retries,
-                max_samples=max_samples,
-            )
-        return _client_processes(
-            server, requests_dir, out_dir, cfg, concurrency, clients, logs or out_dir.parent
+        return fetch_rows(
+            server.url,
+            str(server.model_id),
+            rows,
+            out_dir,
+            concurrency=concurrency or e.concurrency,
+            timeout_s=e.request_timeout_s,
+            retries=e.max_retries,
+            done=lambda _row: bar.update(1),
         )
-    except ClientExit as exc:
-        if exc.code == 130:
-            raise KeyboardInterrupt from None
+    except ServerGone as exc:
         server.check_alive()  # a dead server is the reason: say so, with its log
-        if exc.failed:
-            raise StageError(_failed_samples(exc.failed, cfg, out_dir)) from None
         raise StageError(
-            f"speculators' data-generation client failed (exit {exc.code}); see the log "
-            f"above and {server.log_path}"
+            _failed_samples(exc.failed, cfg, out_dir) + f"; the server stopped answering (its "
+            f"log: {server.log_path})"
         ) from None
-
-
-def _worth_echoing(line: str) -> bool:
-    # A client process's progress stays in its log; its warnings (retries, skipped samples) and
-    # errors are printed too.
-    return any(word in line for word in ("WARNING", "ERROR", "Traceback", "Error"))
-
-
-def _client_processes(
-    server: VllmServer | ExistingServer,
-    requests_dir: Path,
-    out_dir: Path,
-    cfg: RunnerConfig,
-    concurrency: int,
-    clients: int,
-    logs: Path,
-) -> dict[int, str]:
-    """`clients` client processes (stages/extract/client_shard.py), each over its share of the
-    rows with its part of the requests in flight; waits for all, logging progress."""
-    import datasets
-
-    total = len(datasets.load_from_disk(str(requests_dir)))
-    e = cfg.extract
-    per = -(-concurrency // clients)
-    root = str(Path(__file__).resolve().parents[2])
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
-        "TQDM_DISABLE": "1",  # progress is logged here, from the files written
-    }
-    logs.mkdir(parents=True, exist_ok=True)
-    failed: dict[int, str] = {}
-    log.info(
-        "[extract] %d client processes, %d requests in flight each (extract.clients, "
-        "extract.concurrency); their logs: %s",
-        clients,
-        per,
-        logs / "client_*.log",
-    )
-    with contextlib.ExitStack() as stack:
-        pending: dict[int, tuple[ManagedProcess, Path]] = {}
-        for rank in range(clients):
-            result = logs / f"client_{rank}.json"
-            result.unlink(missing_ok=True)
-            spec = {
-                "url": server.url,
-                "model": str(server.model_id),
-                "requests": str(requests_dir),
-                "out": str(out_dir),
-                "concurrency": per,
-                "request_timeout_s": e.request_timeout_s,
-                "max_retries": e.max_retries,
-                "world": clients,
-                "rank": rank,
-                "result": str(result),
-            }
-            proc = ManagedProcess(
-                [sys.executable, "-m", "stages.extract.client_shard", json.dumps(spec)],
-                env,
-                logs / f"client_{rank}.log",
-                label=f"extract:client {rank}",
-                cwd=Path(root),
-                echo=_worth_echoing,
-            )
-            stack.enter_context(proc)
-            pending[rank] = (proc, result)
-        t0 = shown = time.time()
-        while pending:
-            for rank, (proc, result) in list(pending.items()):
-                code = proc.exited()
-                if code is None:
-                    continue
-                del pending[rank]
-                got = json.loads(result.read_text()) if result.exists() else {"failed": {}}
-                failed.update({int(k): v for k, v in got["failed"].items()})
-                if code != 0:
-                    log.warning("[extract] client %d exited %s; %s", rank, code, proc.tail_text(5))
-                    raise ClientExit(code, failed)
-            if time.time() - shown >= 30:
-                shown = time.time()
-                done = sum(1 for _ in out_dir.glob("hs_*.safetensors"))
-                log.info(
-                    "[extract] %d of %d sample files written (%.0f s)", done, total, shown - t0
-                )
-            time.sleep(0.2)
-    return failed
+    finally:
+        bar.close()
 
 
 def _failed_samples(why: dict[int, str], cfg: RunnerConfig, done_dir: Path) -> str:
@@ -278,7 +122,6 @@ def _failed_samples(why: dict[int, str], cfg: RunnerConfig, done_dir: Path) -> s
 def extract(
     ctx: StageContext, rows: Sequence[Any], out_dir: Path, stats: LayerStats
 ) -> dict[str, Any]:
-    import datasets
     import torch
     from safetensors.torch import load_file
     from speculators.data_generation.offline import (
@@ -291,16 +134,15 @@ def extract(
     e = cfg.extract
     scratch: Path = ctx.scratch
     done_dir = scratch / "hidden_states"  # survives failures: the next run resumes from it
-    staging = (
-        scratch / "vllm_staging"
-    )  # where the connector writes; same filesystem, so moves are renames
-    requests_dir = scratch / "requests"
+    # Where the connector writes; the same filesystem, so moves are renames.
+    staging = scratch / "vllm_staging"
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.rmtree(requests_dir, ignore_errors=True)
     for d in (done_dir, staging):
         d.mkdir(parents=True, exist_ok=True)
     present = get_existing_hidden_state_indices(done_dir)
     unreadable = find_corrupt_hidden_state_indices(done_dir, present)
+    for i in unreadable:  # an interrupted move or a damaged file: requested again
+        (done_dir / f"hs_{i}.safetensors").unlink()
     before = {f"hs_{i}.safetensors" for i in present if i not in unreadable}
     if present:
         log.info(
@@ -309,10 +151,6 @@ def extract(
             len(before),
             len(unreadable),
         )
-
-    datasets.Dataset.from_dict({"input_ids": [r.tolist() for r in rows]}).with_format(
-        "torch"
-    ).save_to_disk(str(requests_dir))
     # The log lives in scratch while the server runs (kept there if the stage fails), then in
     # the artifact.
     log_path = scratch / "logs" / "vllm_extract.log"
@@ -321,8 +159,8 @@ def extract(
     server = serve(cfg, facts.path, server_args(cfg, facts, staging), log_path, label="extract")
     with server:
         # One sample first: a server that writes the wrong slots fails here, not after every row.
-        failed = _run_client(server, requests_dir, done_dir, cfg, max_samples=1)
         first = done_dir / "hs_0.safetensors"
+        failed = {} if first.exists() else fetch(server, {0: rows[0].tolist()}, done_dir, cfg)
         if failed or not first.exists():
             server.check_alive()
             raise StageError(_failed_samples(failed or {0: "no file written"}, cfg, done_dir))
@@ -348,10 +186,18 @@ def extract(
             fmt_bytes(selftest["selftest_bytes_read"]),
             selftest["selftest_s"],
         )
-        t0 = time.time()
-        failed = _run_client(
-            server, requests_dir, done_dir, cfg, max_samples=None, logs=log_path.parent
+        todo = {
+            i: r.tolist()
+            for i, r in enumerate(rows)
+            if not (done_dir / f"hs_{i}.safetensors").exists()
+        }
+        log.info(
+            "[extract] requesting the hidden states of %d rows, %d in flight (extract.concurrency)",
+            len(todo),
+            e.concurrency,
         )
+        t0 = time.time()
+        failed = fetch(server, todo, done_dir, cfg)
         seconds = time.time() - t0
         server.check_alive()
         start_s = server.start_s
@@ -405,7 +251,6 @@ def extract(
         # Reading, checking and summarising every file after the client (not in tokens_per_s).
         "check_s": time.time() - t_check,
         "concurrency": float(cfg.extract.concurrency),
-        "clients": float(cfg.extract_clients()),
         **selftest,
         "resumed_samples": len(before),
         "redone_unreadable": len(unreadable),
