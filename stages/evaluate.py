@@ -174,12 +174,47 @@ def _speed(
     few = prompts[: cfg.eval.speed_prompts]
     for timed in [False] + [True] * repeats:
         for kind, chosen, alone in (("c1", few, True), ("batch", prompts, False)):
-            t0 = time.perf_counter()
-            outs = asyncio.run(_generate_all(server, chosen, cfg, one_at_a_time=alone))
-            tokens = sum(len(o.choices[0].token_ids or []) for o in outs)
+            rate = asyncio.run(_rate(server, chosen, cfg, one_at_a_time=alone))
             if timed:
-                out[kind].append(tokens / (time.perf_counter() - t0))
+                out[kind].append(rate)
     return out
+
+
+async def _rate(
+    server: VllmServer | ExistingServer, prompts: list[str], cfg: RunnerConfig, one_at_a_time: bool
+) -> float:
+    """Generated tokens per second (the server's own count) over `prompts`, greedy, one after
+    another or all at once. Plain HTTP: the OpenAI client library's own work per request held
+    the rate of 80 requests at once about a quarter below what the server gave another client
+    (docs/benchmarks.md), and a speed figure must be the server's, not the client's."""
+    import aiohttp
+
+    e = cfg.eval
+
+    async def one(session: aiohttp.ClientSession, prompt: str) -> int:
+        body = {
+            "model": server.model_id,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0.0,
+            "max_tokens": e.max_new_tokens,
+            "seed": 0,
+        }
+        async with session.post(f"{server.url}/chat/completions", json=body) as r:
+            answer = await r.json()
+            if r.status != 200:
+                server.check_alive()
+                raise StageError(f"a speed request failed: HTTP {r.status}: {str(answer)[:300]}")
+        return int(answer["usage"]["completion_tokens"])
+
+    timeout = aiohttp.ClientTimeout(total=e.timeout_s)
+    connector = aiohttp.TCPConnector(limit=len(prompts))
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        t0 = time.perf_counter()
+        if one_at_a_time:
+            tokens = [await one(session, p) for p in prompts]
+        else:
+            tokens = await asyncio.gather(*(one(session, p) for p in prompts))
+        return sum(tokens) / (time.perf_counter() - t0)
 
 
 def _serve(
