@@ -32,6 +32,7 @@ from tests.test_faults import (
     CAPTURE,
     _cmd,
     _leftovers,
+    _marked,
     _mount_tmpfs,
     _statuses,
     runner_with_failing_end,
@@ -218,6 +219,99 @@ def main() -> int:
         status,
         _left(root),
         f"next run exit {again.returncode}; runs now {_statuses(root)}",
+    )
+
+    # Prepare's tokenizer pool: kill -9 and SIGTERM while both workers tokenise.
+    long_data = base / "long.jsonl"
+    with open(long_data, "w") as fh:
+        for i in range(60000):
+            conv = [dict(t, content=f"{t['content']} ({i})") for t in CONVERSATIONS[i % 3]]
+            fh.write(json.dumps({"messages": conv}) + "\n")
+    for sig in (signal.SIGKILL, signal.SIGTERM):
+        root = base / f"pool-{sig.name}"
+        mark = f"bench-{sig.name}-{os.getpid()}"
+        cmd = _cmd(model, long_data, root, "data.num_samples=60000", "data.num_proc=2")
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env={**runner_env(), "EAGLE3_TEST_MARK": mark},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        while len(_marked(mark, "spawn_main")) < 2 and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        t0 = time.time()
+        proc.send_signal(sig)
+        out = proc.communicate(timeout=120)[0]
+        took = time.time() - t0
+        time.sleep(5.0)
+        row(
+            f"{sig.name}, 2 tokenizer workers",
+            "prepare",
+            proc.returncode,
+            _line(out, "interrupted by") if sig != signal.SIGKILL else "(none: killed)",
+            _statuses(root) if (root / "mlflow.db").exists() else "-",
+            f"exited in {took:.1f} s; processes of the run alive 5 s later: {len(_marked(mark))}",
+            "-",
+        )
+
+    root = base / "read-only"
+    (root / "store" / "prepare").mkdir(parents=True)
+    store = root / "store"
+    if (
+        subprocess.run(["mount", "--bind", str(store), str(store)], capture_output=True).returncode
+        == 0
+    ):
+        try:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(store)], check=True)
+            got = run_runner(_cmd(model, data, root))
+            row(
+                "read-only store/ (a ro bind mount) under a writable root",
+                "the plan",
+                got.returncode,
+                _line(got.stderr, "run.output_root"),
+                "(no run: refused in the plan)",
+                _left(root),
+                "-",
+            )
+        finally:
+            subprocess.run(["umount", "-l", str(store)], capture_output=True)
+
+    root = base / "mlartifacts-full"
+    if _mount_tmpfs(root / "mlartifacts", "64k"):
+        try:
+            got = run_runner(_cmd(model, data, root))
+            row(
+                "disk full (64 KiB tmpfs) under mlartifacts/",
+                "MLflow copying a run's files",
+                got.returncode,
+                _line(got.stderr, "stage error"),
+                _statuses(root),
+                _left(root),
+                "-",
+            )
+        finally:
+            subprocess.run(["umount", "-l", str(root / "mlartifacts")], capture_output=True)
+
+    first, copy = base / "root-a", base / "root-b"
+    assert run_runner([*_cmd(model, data, first), "run.stages=[prepare,extract]"]).returncode == 0
+    import shutil
+
+    shutil.copytree(first, copy, symlinks=True)
+    before = {p: p.stat().st_mtime for p in first.rglob("*") if p.is_file()}
+    got = run_runner([*_cmd(model, data, copy), "run.stages=[prepare,extract]"])
+    after = {p: p.stat().st_mtime for p in first.rglob("*") if p.is_file()}
+    touched = set(after) ^ set(before) | {p for p in before if after.get(p, before[p]) != before[p]}
+    row(
+        "output root copied (cp -a), run in the copy",
+        "MLflow artifact locations",
+        got.returncode,
+        _line(got.stdout + got.stderr, "was copied or moved"),
+        _statuses(copy),
+        f"files of the original changed or added: {len(touched)}",
+        "-",
     )
 
     print("\n| fault | where | exit | message | MLflow | left behind | rerun |")

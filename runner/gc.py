@@ -5,7 +5,9 @@
     python -m runner.gc --delete --unreferenced   # also artifacts no MLflow run refers to
 
 What it finds:
-- half-written temporary folders of dead processes on this host (`.tmp-*`, `.old-*`);
+- half-written temporary folders of dead processes on this host (`.tmp-*`, `.old-*`), in the
+  store and, wherever they were writing, those of a killed `runner.publish` or `runner.transfer`
+  (from the ledger in ~/.cache/eagle3-runner/writes);
 - damaged artifacts the runner moved aside (`.damaged-*`);
 - work folders (`scratch/<stage>-<key>`) whose artifact is published (leftovers), and those that
   are resume state of an unfinished stage (listed; removed only with --resume-state);
@@ -22,7 +24,7 @@ import sys
 from pathlib import Path
 
 from runner.layout import RunLayout, default_root
-from runner.store import MANIFEST, ArtifactStore, dead_temps, fmt_bytes
+from runner.store import MANIFEST, ArtifactStore, dead_temps, fmt_bytes, killed_writes
 from runner.tracking import tracking_uri
 
 
@@ -68,7 +70,12 @@ def find(root: Path, unreferenced: bool) -> list[tuple[str, Path, str]]:
     found += [
         ("damaged", p, "moved aside by a run") for p in sorted(store.root.glob("*/.damaged-*"))
     ]
-    for work in sorted((root / "scratch").glob("*-*")):
+    # Anywhere on this host: what a killed `runner.publish` or `runner.transfer` was writing.
+    for entry, tmp, out in killed_writes():
+        if tmp.exists():
+            found.append(("half-written", tmp, f"left by a killed command writing {out}"))
+        found.append(("ledger", entry, "the record of that killed write"))
+    for work in sorted(RunLayout(root).scratch.glob("*-*")):
         stage, _, key = work.name.rpartition("-")
         if store.get(stage, key) is not None:
             found.append(("leftover", work, f"{stage} {key} is published"))
@@ -101,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         act = "keep" if keep or not args.delete else "remove"
         print(f"{act:<7} {kind:<13} {fmt_bytes(size):>10}  {path}  ({note})")
         if act == "remove":
-            shutil.rmtree(path, ignore_errors=True)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed += size
         elif not keep:
             total += size

@@ -37,6 +37,11 @@ class RunLayout:
         return self.root / "store"
 
     @property
+    def scratch(self) -> Path:
+        """Work folders of stages in progress (`<stage>-<key>`), which a failed stage resumes."""
+        return self.root / "scratch"
+
+    @property
     def cache(self) -> Path:
         """Small facts worth remembering between runs (content hashes, layouts, tokenizers)."""
         return self.root / "cache"
@@ -52,6 +57,19 @@ class RunLayout:
         return self.root / "mlflow.db"
 
     @property
+    def mlflow_artifacts(self) -> Path:
+        """The default MLflow store's artifact folder (each run's files, under its experiment)."""
+        return self.root / "mlartifacts"
+
+    @property
     def hydra(self) -> Path:
         """Hydra's run and multirun folders (conf/config.yaml's hydra.run.dir and sweep.dir)."""
         return self.root / "hydra"
+
+
+def user_cache() -> Path:
+    """This user's cache for the runner, shared by every output root: $XDG_CACHE_HOME or
+    ~/.cache, then eagle3-runner/ (vLLM's answers about architectures; the ledger of folders
+    being written outside any root, which `runner.gc` reads)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "eagle3-runner"

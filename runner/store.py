@@ -35,7 +35,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from runner.errors import ConfigError
-from runner.layout import RunLayout
+from runner.layout import RunLayout, user_cache
 
 log = logging.getLogger("runner")
 
@@ -45,18 +45,38 @@ MANIFEST = "manifest.json"
 HASH_LIMIT_BYTES = 8 << 30
 
 
+def _probe(folder: Path) -> None:
+    try:  # os.access says yes to root everywhere; a real file says whether writes work
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            "run.output_root",
+            f"cannot write in {folder}: {exc.strerror}; make it writable or choose another "
+            "run.output_root",
+        ) from None
+
+
 def writable_root(path: Path) -> Path:
-    """run.output_root, created if needed; refused naming the key if it cannot be written."""
+    """run.output_root, created if needed, and every folder under it that a run writes and that
+    exists already (a read-only store/ under a writable root failed mid-run); refused naming the
+    key and the folder if one cannot be written."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError("run.output_root", f"cannot create {path}: {exc.strerror}") from None
-    try:  # os.access says yes to root everywhere; a real file says whether writes work
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise ConfigError("run.output_root", f"cannot write in {path}: {exc.strerror}") from None
+    _probe(path)
+    layout = RunLayout(path)
+    store = layout.store
+    for folder in (store, store / ".locks", layout.scratch, layout.cache, layout.models):
+        if folder.is_dir():
+            _probe(folder)
+    for folder in sorted(store.iterdir()) if store.is_dir() else []:
+        if folder.is_dir() and not folder.name.startswith("."):  # one per stage
+            _probe(folder)
+    if layout.mlflow_artifacts.is_dir():
+        _probe(layout.mlflow_artifacts)
     return path
 
 
@@ -208,11 +228,32 @@ def dead_temps(root: Path) -> list[Path]:
     return out
 
 
+def _writes() -> Path:
+    """The ledger of folders being written by `new_folder`, one entry per write: a write killed
+    outright (kill -9: no handler runs) leaves its entry, and `runner.gc` lists its folder."""
+    return user_cache() / "writes"
+
+
+def killed_writes() -> list[tuple[Path, Path, str]]:
+    """(ledger entry, half-written folder, the folder it was for) of every write by a process
+    that died before finishing it."""
+    out = []
+    for entry in sorted(_writes().glob("*.json")) if _writes().is_dir() else []:
+        try:
+            rec = json.loads(entry.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("host") == _HOST and not pid_alive(int(rec["pid"])):
+            out.append((entry, Path(rec["tmp"]), str(rec["out"])))
+    return out
+
+
 @contextmanager
 def new_folder(out: Path) -> Iterator[Path]:
     """A folder a user asked for (a published or packed draft): written beside `out`, its files
     made readable by all, renamed into place only when complete; a non-empty `out` is refused
-    and nothing half-written is left on failure."""
+    and nothing half-written is left on failure (a kill -9 leaves a ledger entry that
+    `runner.gc` finds, and the next write to `out` removes the folder)."""
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty")
     # What a killed earlier attempt (kill -9: no handler runs) left beside `out`.
@@ -223,8 +264,16 @@ def new_folder(out: Path) -> Iterator[Path]:
                 shutil.rmtree(old, ignore_errors=True)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tag = hashlib.sha256(bytes(tmp)).hexdigest()[:12]
+    entry: Path | None = _writes() / f"{os.getpid()}-{tag}.json"
     try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        record = {"pid": os.getpid(), "host": _HOST, "tmp": str(tmp.resolve()), "out": str(out)}
+        entry.write_text(json.dumps(record))
+    except OSError:  # bookkeeping for gc only: never a reason to refuse the write
+        entry = None
+    try:
+        tmp.mkdir(parents=True)
         yield tmp
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -233,6 +282,8 @@ def new_folder(out: Path) -> Iterator[Path]:
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if entry is not None:
+            entry.unlink(missing_ok=True)
 
 
 @dataclass
@@ -299,7 +350,7 @@ class ArtifactStore:
 
     def scratch(self, stage: str, key: str) -> Path:
         """A stage's working folder outside the artifact (kept for resumable stages)."""
-        return self.root.parent / "scratch" / f"{stage}-{key}"
+        return RunLayout(self.root.parent).scratch / f"{stage}-{key}"
 
     @contextmanager
     def lock(self, stage: str, key: str) -> Iterator[None]:

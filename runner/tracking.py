@@ -24,7 +24,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, StageError
 from runner.layout import RunLayout
 from runner.schema import TrackingConfig
 
@@ -233,6 +233,7 @@ class Tracker:
             # Two first runs on a fresh root would both create and migrate the SQLite schema
             # (and could leave it half-migrated): one at a time.
             with _sqlite_lock(self.uri):
+                self._follow_moved_root(output_root)
                 self.experiment_id = self._experiment(tracking_cfg.experiment, output_root)
         except Exception as exc:  # locked, unreachable, corrupt: say which store
             raise ConfigError(
@@ -240,13 +241,30 @@ class Tracker:
             ) from None
         self._reconcile()
 
+    def _follow_moved_root(self, output_root: Path) -> None:
+        """The root's own store, copied or moved here from another root, still names the old
+        root's folders: point them here, so that this root never writes into the other."""
+        from runner.integrations.mlflow_sqlite import repoint
+
+        db = RunLayout(output_root).mlflow_db.resolve()
+        if self.uri != f"sqlite:///{db}" or not db.is_file():
+            return
+        old = repoint(db, output_root)
+        if old is not None:
+            log.warning(
+                "this output root's MLflow store was made in %s (the root was copied or moved); "
+                "its runs' artifact folders and stage paths now point here, %s",
+                old,
+                output_root,
+            )
+
     def _experiment(self, name: str, output_root: Path) -> str:
         exp = self.mlflow.get_experiment_by_name(name)
         if exp is not None:
             return exp.experiment_id
         artifact_location = None
         if self.uri.startswith("sqlite:"):
-            artifact_location = (output_root / "mlartifacts").resolve().as_uri()
+            artifact_location = RunLayout(output_root).mlflow_artifacts.resolve().as_uri()
         return self.mlflow.create_experiment(name, artifact_location=artifact_location)
 
     def _reconcile(self) -> None:
@@ -335,11 +353,29 @@ class Tracker:
     def set_tags(self, tags: Mapping[str, str]) -> None:
         self.mlflow.set_tags({k: str(v)[:5000] for k, v in tags.items()})
 
+    @contextlib.contextmanager
+    def _writing(self, what: str) -> Iterator[None]:
+        """An OS error while MLflow copies into the run's artifact folder (a full disk, a
+        read-only or foreign folder) ends the run with one line that names the folder."""
+        try:
+            yield
+        except OSError as exc:
+            try:
+                where = self.mlflow.get_artifact_uri()
+            except Exception:
+                where = "the run's artifact folder"
+            raise StageError(
+                f"MLflow could not write {what} into {where}: {exc.strerror or exc}. Free space "
+                "or fix the permissions there, or point tracking.uri elsewhere "
+                "(tracking.log_checkpoint_max_mb limits what is copied)"
+            ) from None
+
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        if path.is_dir():
-            self.mlflow.log_artifacts(str(path), artifact_path=artifact_path)
-        else:
-            self.mlflow.log_artifact(str(path), artifact_path=artifact_path)
+        with self._writing(path.name):
+            if path.is_dir():
+                self.mlflow.log_artifacts(str(path), artifact_path=artifact_path)
+            else:
+                self.mlflow.log_artifact(str(path), artifact_path=artifact_path)
 
     def log_or_link(self, path: Path, artifact_path: str, max_mb: float) -> None:
         """Copy a file or folder into the run; above `max_mb` (tracking.log_checkpoint_max_mb)
@@ -357,20 +393,25 @@ class Tracker:
     def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
         columns = list(dict.fromkeys(k for r in rows for k in r))
         data = {c: [r.get(c) for r in rows] for c in columns}
-        self.mlflow.log_table(data=data, artifact_file=artifact_file)
+        with self._writing(artifact_file):
+            self.mlflow.log_table(data=data, artifact_file=artifact_file)
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         import matplotlib.pyplot as plt
 
-        self.mlflow.log_figure(figure, artifact_file)
-        plt.close(figure)
+        try:
+            with self._writing(artifact_file):
+                self.mlflow.log_figure(figure, artifact_file)
+        finally:
+            plt.close(figure)
 
     def set_description(self, text: str) -> None:
         """The run's description (markdown), shown at the top of its page in the MLflow UI."""
         self.mlflow.set_tag("mlflow.note.content", text)
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.mlflow.log_text(text, artifact_file)
+        with self._writing(artifact_file):
+            self.mlflow.log_text(text, artifact_file)
 
     def ui_command(self) -> str:
         if self.uri.startswith(("http://", "https://")):

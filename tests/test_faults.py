@@ -4,6 +4,7 @@ outright. Every run is a real `python -m runner` process on the tiny target, bou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -224,6 +225,78 @@ def test_a_full_disk_is_one_clear_line_and_the_rerun_continues(
         subprocess.run(["umount", "-l", str(store)], capture_output=True)
 
 
+def test_a_read_only_store_is_refused_by_the_plan_naming_the_folder(
+    tiny_model_dir, chats_jsonl, tmp_path
+):
+    """A read-only store/ under a writable root (a read-only mount: root ignores permission
+    bits): the plan refuses it in one line naming the folder, before any stage runs."""
+    store = tmp_path / "store"
+    (store / "prepare").mkdir(parents=True)
+    bind = subprocess.run(["mount", "--bind", str(store), str(store)], capture_output=True)
+    if bind.returncode != 0:
+        pytest.skip("cannot make a read-only mount here (needs root)")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(store)], check=True)
+        got = run_runner(_cmd(tiny_model_dir, chats_jsonl, tmp_path))
+        assert got.returncode == 2, got.stdout[-2000:] + got.stderr[-2000:]
+        assert "Traceback" not in got.stderr
+        line = next(x for x in got.stderr.splitlines() if "run.output_root" in x)
+        assert f"cannot write in {store}" in line and "Read-only file system" in line
+    finally:
+        subprocess.run(["umount", "-l", str(store)], capture_output=True)
+
+
+def test_a_full_mlflow_artifact_folder_is_one_line_and_the_run_ends_failed(
+    tiny_model_dir, chats_jsonl, tmp_path
+):
+    artifacts = tmp_path / "mlartifacts"
+    if not _mount_tmpfs(artifacts, "64k"):
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        got = run_runner(_cmd(tiny_model_dir, chats_jsonl, tmp_path))
+        assert got.returncode == 1, got.stdout[-2000:] + got.stderr[-2000:]
+        assert "Traceback" not in got.stderr
+        line = next(x for x in got.stderr.splitlines() if x.startswith("stage error:"))
+        assert "MLflow could not write" in line and str(artifacts) in line
+        assert "No space left on device" in line and "tracking.uri" in line
+        assert _statuses(tmp_path) == ["FAILED"]
+    finally:
+        subprocess.run(["umount", "-l", str(artifacts)], capture_output=True)
+
+
+def test_a_copied_root_never_writes_into_the_original(tiny_model_dir, chats_jsonl, tmp_path):
+    """Copy an output root (cp -a) and run in the copy: its new run's artifacts land in the
+    copy, the earlier runs' artifact folders and stage paths point into the copy, and nothing
+    in the original changes."""
+    import shutil
+
+    import mlflow
+
+    first = tmp_path / "first"
+    cmd = [*_cmd(tiny_model_dir, chats_jsonl, first), "run.stages=[prepare,extract]"]
+    assert run_runner(cmd).returncode == 0
+    copy = tmp_path / "copy"
+    shutil.copytree(first, copy, symlinks=True)
+
+    def files(root: Path) -> dict[str, float]:
+        return {str(p): p.stat().st_mtime for p in root.rglob("*") if p.is_file()}
+
+    before = files(first)
+    again = run_runner([*_cmd(tiny_model_dir, chats_jsonl, copy), "run.stages=[prepare,extract]"])
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "was copied or moved" in again.stdout + again.stderr
+    assert files(first) == before, "the run in the copy wrote into the original"
+    client = mlflow.MlflowClient(f"sqlite:///{copy / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("eagle3")
+    assert exp.artifact_location == (copy / "mlartifacts").resolve().as_uri()
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 2
+    for run in runs:
+        assert run.info.artifact_uri.startswith(copy.resolve().as_uri() + "/"), run.info
+        assert run.data.tags["path.extract"].startswith(str(copy.resolve()) + "/")
+        assert client.list_artifacts(run.info.run_id)  # readable where they now point
+
+
 def test_a_store_that_fails_at_the_end_keeps_the_stage_error_and_is_reconciled(
     tiny_model_dir, chats_jsonl, tmp_path
 ):
@@ -276,6 +349,71 @@ def test_what_a_runner_started_dies_at_once_when_it_is_killed(tmp_path):
     while Path(f"/proc/{grandchild}").exists() and "Z" not in _state(grandchild):
         assert time.time() - t0 < 2.0, "the grandchild outlived the runner"
         time.sleep(0.05)
+
+
+def _marked(mark: str, running: str = "") -> list[int]:
+    """Live processes (not zombies) whose environment holds EAGLE3_TEST_MARK=`mark` (and whose
+    command line holds `running`)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes()
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        marked = f"EAGLE3_TEST_MARK={mark}".encode() in env.split(b"\0")
+        if marked and running.encode() in cmd and _state(int(proc.name)) != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def long_prepare(tmp_path_factory) -> Path:
+    """60,000 rows: tokenising them in two processes lasts long enough to be interrupted."""
+    path = tmp_path_factory.mktemp("faults_long") / "chats.jsonl"
+    with open(path, "w") as fh:
+        for i in range(60000):
+            conv = [dict(t, content=f"{t['content']} ({i})") for t in CONVERSATIONS[i % 3]]
+            fh.write(json.dumps({"messages": conv}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_prepares_worker_processes_end_with_the_runner(tiny_model_dir, long_prepare, tmp_path, sig):
+    """kill -9 or SIGTERM while prepare tokenises in worker processes: within 5 s no process the
+    run started is left (the workers and multiprocessing's resource tracker each held hundreds
+    of MB for minutes), and SIGTERM ends the run in 5 s with 143, not after the chunks in
+    flight."""
+    mark = f"{sig.name}-{os.getpid()}"
+    cmd = _cmd(tiny_model_dir, long_prepare, tmp_path, "data.num_samples=60000", "data.num_proc=2")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**runner_env(), "EAGLE3_TEST_MARK": mark},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.time() + 120
+        # Both workers of the pool are up (spawned: `spawn_main` in their command lines).
+        while len(_marked(mark, "spawn_main")) < 2:
+            assert proc.poll() is None and time.time() < deadline, "the pool never started"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        t0 = time.time()
+        proc.send_signal(sig)
+        code = proc.wait(timeout=30)
+        assert time.time() - t0 < 5.0, f"took {time.time() - t0:.1f} s to exit"
+        assert code == (-9 if sig == signal.SIGKILL else 143)
+        while _marked(mark) and time.time() - t0 < 5.0:
+            time.sleep(0.1)
+        assert _marked(mark) == [], "processes of the run outlived it"
+    finally:
+        for pid in [proc.pid, *_marked(mark)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _state(pid: int) -> str:

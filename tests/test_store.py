@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from runner.store import MANIFEST, ArtifactStore, compute_key
+from tests.conftest import REPO
 
 
 def test_key_depends_on_config_upstream_and_versions():
@@ -179,3 +180,47 @@ def test_a_signalled_companion_command_leaves_nothing_and_exits_128_plus_signal(
     with new_folder(out) as tmp:
         (tmp / "ok").write_text("1")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packed"]
+
+
+def test_gc_finds_what_a_killed_publish_or_transfer_was_writing(tmp_path, monkeypatch, capsys):
+    """kill -9 while `new_folder` writes (publish, transfer): no handler runs, so the half-written
+    folder stays beside the output, wherever that is; `runner.gc` lists it from the ledger of
+    writes and removes it, and the ledger entry, with --delete."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    from runner import gc
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "elsewhere" / "packed"
+    ready = tmp_path / "ready"
+    script = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from runner.store import new_folder
+        with new_folder(Path({str(out)!r})) as tmp:
+            (tmp / "half.bin").write_bytes(b"x" * 1000)
+            Path({str(ready)!r}).write_text("1")
+            time.sleep(60)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen([sys.executable, "-c", script], env=env)
+    deadline = time.time() + 60
+    while not ready.exists():
+        assert child.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    half = out.with_name(f".tmp-packed-{child.pid}")
+    assert half.is_dir()
+    root = tmp_path / "root"
+    root.mkdir()
+    assert gc.main(["--root", str(root)]) == 0
+    listed = capsys.readouterr().out
+    assert str(half) in listed and "killed command writing" in listed
+    assert gc.main(["--root", str(root), "--delete"]) == 0
+    assert not half.exists()
+    assert list((tmp_path / "cache" / "eagle3-runner" / "writes").glob("*.json")) == []

@@ -14,13 +14,13 @@ Public: `ModelRegistry.get_supported_archs()`, `interfaces.supports_eagle3(cls)`
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from runner.json_cache import remembered
+from runner.layout import user_cache
 
 # The vLLM builds and versions the runner and these integrations were run and tested with: the
 # CPU build in CI and on the project's own machines (pyproject's `cpu` extra), the CUDA build on
@@ -101,8 +101,7 @@ _PROBE_VERSION = "3"
 
 
 def _cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "eagle3-runner" / "vllm-support.json"
+    return user_cache() / "vllm-support.json"
 
 
 def vllm_eagle3_support(architecture: str, version: str) -> dict[str, Any] | None:
