@@ -178,27 +178,73 @@ def damage(art: Artifact, full: bool = False, under: str = "") -> str | None:
     Every file must exist with the size its manifest records. A file is hashed when `full`, or
     when its mtime, ctime or inode differs from the one recorded at publication (an edit in
     place, even one that set size and mtime back; a bit flip written by anything; a copied
-    root, whose files are all hashed on each plan); its sha256 must match. Artifacts above
-    HASH_LIMIT_BYTES recorded sizes only."""
+    root, whose files are hashed once there and then remembered by their new stamp); its sha256
+    must match. Artifacts above HASH_LIMIT_BYTES recorded sizes only."""
     try:
         files = art.manifest.get("files", [])
     except (OSError, ValueError) as exc:
         return f"{MANIFEST} is unreadable ({type(exc).__name__})"
-    for f in files:
-        if not f["path"].startswith(under):
-            continue
-        p = art.path / f["path"]
-        try:
-            st = p.stat()
-        except OSError:
-            return f"{f['path']} is missing"
-        if st.st_size != f["bytes"]:
-            return f"{f['path']} is {st.st_size} bytes; its manifest records {f['bytes']}"
-        now = {"mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
-        touched = any(f.get(k, v) != v for k, v in now.items())
-        if "sha256" in f and (full or touched) and _sha256(p) != f["sha256"]:
-            return f"{f['path']} does not match the sha256 its manifest records"
+    verified = _Verified(RunLayout(art.path.parents[2]).cache / VERIFIED_FILE)
+    try:
+        for f in files:
+            if not f["path"].startswith(under):
+                continue
+            p = art.path / f["path"]
+            try:
+                st = p.stat()
+            except OSError:
+                return f"{f['path']} is missing"
+            if st.st_size != f["bytes"]:
+                return f"{f['path']} is {st.st_size} bytes; its manifest records {f['bytes']}"
+            now = {"mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+            touched = any(f.get(k, v) != v for k, v in now.items())
+            if "sha256" not in f or not (full or touched):
+                continue
+            stamp = f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
+            if not full and verified.get(stamp) == f["sha256"]:
+                continue  # hashed since it last changed (e.g. in a copied root), and it matched
+            if _sha256(p) != f["sha256"]:
+                return f"{f['path']} does not match the sha256 its manifest records"
+            if touched:
+                verified.add(stamp, f["sha256"])
+    finally:
+        verified.save()
     return None
+
+
+# Files hashed and found intact although their stamp differs from the manifest's (a copied
+# root: every inode differs), by their current stamp: not hashed again until it changes.
+VERIFIED_FILE = "verified_files.json"
+
+
+class _Verified:
+    def __init__(self, path: Path):
+        self.path, self.added = path, False
+        try:
+            self.known: dict[str, str] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self.known = {}
+
+    def get(self, stamp: str) -> str | None:
+        return self.known.get(stamp)
+
+    def add(self, stamp: str, sha: str) -> None:
+        self.known[stamp] = sha
+        self.added = True
+
+    def save(self) -> None:
+        """Best effort (a cache: an unwritable one costs hashing time, never correctness);
+        entries of files that are gone are dropped."""
+        if not self.added:
+            return
+        keep = {k: v for k, v in self.known.items() if Path(k.split("|", 1)[0]).exists()}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(keep))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
 
 
 # Temporary folders carry their owner (host and pid): a later run on the same host removes those

@@ -45,9 +45,10 @@ start)
   fi
   sleep 2; echo "started: ${*:-all three phases}" ;;
 bench)  # a benchmark in the lane's environment, in its own session: bench python -m benchmarks.X ...
+  # (several commands joined by ';' all log to bench.log: the whole line runs in one subshell)
   shift
   rm -f $G/*.rc $G/bench.log
-  setsid nohup bash -c "$* > $G/bench.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &
+  setsid nohup bash -c "( $* ) > $G/bench.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &
   sleep 2; echo "started: $*" ;;
 phases)  # what `start` runs in the background: A side by side, then B, then C
   L=tests/test_gpu_lane.py
@@ -91,7 +92,8 @@ fetch)
   tar -czf $OUT/logs.tar.gz -C $G --exclude='*.safetensors' --exclude='*.pt' --exclude='*.npy' --exclude='*.arrow' \
     root/store/evaluate root/store/extract 2>/dev/null
   ls -l $OUT ;;
-stop)
-  pkill -f "gpu_lane.sh phases"; pkill -f "pytest -m gpu" ; pkill -f "vllm.entrypoints" ; sleep 3; pkill -9 -f "vllm.entrypoints"; echo stopped ;;
+stop)  # (bracketed patterns: a pattern must not match the command line of the call that runs it)
+  pkill -f "gpu_lane.sh [p]hases"; pkill -f "pytest -m [g]pu"; pkill -f "[b]enchmarks\."
+  pkill -f "[v]llm.entrypoints"; sleep 3; pkill -9 -f "[v]llm.entrypoints"; echo stopped ;;
 *) sed -n 2,18p "$0"; exit 2 ;;
 esac

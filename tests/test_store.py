@@ -111,6 +111,33 @@ def test_damage_names_the_file_a_truncation_or_an_edit_broke(tmp_path):
     assert damage(art) == "hidden_states/hs_0.safetensors is missing"
 
 
+def test_a_copied_roots_files_are_hashed_once_then_by_their_new_stamp(tmp_path, monkeypatch):
+    """cp -a gives every file a new inode, so the cheap check hashes them all; once found
+    intact they are remembered by their new stamp and not hashed on every plan again, while a
+    later edit (size and mtime kept) is still caught."""
+    import shutil
+
+    import runner.store as store_module
+    from runner.store import damage
+
+    _published(ArtifactStore(tmp_path / "a"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
+    art = ArtifactStore(tmp_path / "b").get("extract", "k9")
+    hashed: list[Path] = []
+    real = store_module._sha256
+    monkeypatch.setattr(store_module, "_sha256", lambda p: hashed.append(p) or real(p))
+    assert damage(art) is None and hashed  # the copy's files: hashed once
+    count = len(hashed)
+    assert damage(art) is None and len(hashed) == count  # remembered: not again
+    hs = art.path / "hidden_states" / "hs_0.safetensors"
+    st = hs.stat()
+    flipped = bytearray(hs.read_bytes())
+    flipped[100] ^= 0xFF
+    hs.write_bytes(bytes(flipped))
+    os.utime(hs, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert "hs_0.safetensors does not match the sha256" in damage(art)
+
+
 def test_only_temporary_folders_of_dead_processes_are_removed(tmp_path):
     import subprocess
 
