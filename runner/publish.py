@@ -1,7 +1,9 @@
 """Publish a trained draft as a folder ready for the Hugging Face Hub, with a model card:
 `python -m runner.publish OUT [--run RUN_ID] [--repo-id ORG/NAME] [--push]`.
 
-Without --run, the newest top-level run of the experiment that trained a draft is used. OUT gets
+Without --run, the newest top-level run of the experiment that trained a draft is used. A sweep's
+parent run publishes its best child by the sweep's objective (or is refused, listing its
+children, when none was evaluated). OUT gets
 the draft's files (readable by all) and README.md: the base model, the data, the capture ids and
 their convention, the vocabulary sizes, the acceptance the runner measured (set, k, per
 position), the exact vLLM serve command and the training command. --push uploads OUT to
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.interrupts import companion
-from runner.job_tags import RESULTS_FILE
+from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, RESULTS_FILE
 from runner.layout import default_root
 from runner.store import new_folder
 from runner.tracking import missing_store, tracking_uri
@@ -43,6 +45,52 @@ def _find_run(client: Any, experiment: str, run_id: str | None) -> Any:
         if "path.train" in run.data.tags and run.info.status == "FINISHED":
             return run
     return None
+
+
+def best_child(children: list[Any]) -> tuple[Any, str, float] | None:
+    """The finished child with a draft that scores highest on its objective column (the tags
+    every job records: runner/job_tags.py), with the column and its value; None if no child
+    has one."""
+    scored = []
+    for child in children:
+        tags = child.data.tags
+        if child.info.status != "FINISHED" or "path.train" not in tags:
+            continue
+        objective = tags.get(OBJECTIVE_TAG)
+        try:
+            value = json.loads(tags.get(COLUMNS_TAG, "{}")).get(objective) if objective else None
+        except ValueError:
+            value = None
+        if isinstance(value, int | float):
+            scored.append((float(value), child.info.run_id, child, objective))
+    if not scored:
+        return None
+    value, _, child, objective = max(scored, key=lambda s: (s[0], s[1]))
+    return child, objective, value
+
+
+def _resolve_parent(client: Any, run: Any) -> tuple[Any | None, str]:
+    """A run that trained no draft itself: a sweep's parent gives its best child; else none,
+    with the reason."""
+    children = client.search_runs(
+        [run.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}'",
+        max_results=1000,
+    )
+    if not children:
+        return None, f"run {run.info.run_id} trained no draft (no path.train tag, no child runs)"
+    best = best_child(children)
+    if best is None:
+        ids = ", ".join(c.info.run_id for c in children)
+        return None, (
+            f"run {run.info.run_id} is a sweep's parent and none of its children was evaluated, "
+            f"so there is no best one to choose; publish one of them with --run: {ids}"
+        )
+    child, objective, value = best
+    return child, (
+        f"run {run.info.run_id} is a sweep's parent: publishing its best child "
+        f"{child.info.run_id} ({objective} {value:.3f}, of {len(children)} children)"
+    )
 
 
 def local_serve_command(run: Any, folder: Path) -> str | None:
@@ -203,11 +251,22 @@ def _main(args: argparse.Namespace) -> int:
         print(problem, file=sys.stderr)
         return 1
     import mlflow  # seconds to import; after the cheap checks
+    from mlflow.exceptions import MlflowException
 
-    run = _find_run(mlflow.MlflowClient(uri), args.experiment, args.run)
+    client = mlflow.MlflowClient(uri)
+    try:
+        run = _find_run(client, args.experiment, args.run)
+    except MlflowException:
+        print(f"no run {args.run} in {uri}", file=sys.stderr)
+        return 1
     if run is None:
         print(f"no finished run with a trained draft in {uri}", file=sys.stderr)
         return 1
+    if "path.train" not in run.data.tags:
+        run, why = _resolve_parent(client, run)
+        print(why, file=sys.stderr if run is None else sys.stdout)
+        if run is None:
+            return 1
     try:
         out = publish(run, Path(args.out), args.repo_id)
     except (FileNotFoundError, FileExistsError) as exc:

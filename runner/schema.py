@@ -510,8 +510,9 @@ class ExtractConfig:
     # every epoch again. Online needs backend vllm.
     mode: ExtractMode = ExtractMode.offline
     # vLLM backend: requests in flight, seconds per request, and retries per sample before the
-    # stage fails naming it.
-    concurrency: int = 8
+    # stage fails naming it. Requests in flight, null: 64 on a GPU (a step of 16,384 tokens holds
+    # about 35 rows of 470 tokens; fewer in flight leave steps part-empty), 8 on a CPU.
+    concurrency: int | None = None
     # Tokens the extraction server runs in one step (vLLM --max-num-batched-tokens; chunked
     # prefill is off, so a row is never split, and a step holds at least one). null: 16,384 on a
     # GPU, vLLM's own default on a CPU.
@@ -533,7 +534,8 @@ class ExtractConfig:
                 f"is {self.backend}, but extract.mode=online fetches hidden states from a vLLM "
                 "server; use extract=online (backend vllm, mode online) or extract.mode=offline",
             )
-        _at_least("extract.concurrency", self.concurrency, 1)
+        if self.concurrency is not None:
+            _at_least("extract.concurrency", self.concurrency, 1)
         if self.batch_tokens is not None:
             _at_least("extract.batch_tokens", self.batch_tokens, 16)
         if self.share_gpu is not None and not 0.05 <= self.share_gpu <= 0.9:
@@ -868,6 +870,12 @@ class RunnerConfig:
             # The server the train stage starts takes tensor_parallel_size GPUs of the box.
             n = self.hardware.num_gpus - self.hardware.tensor_parallel_size
         return max(n, 1)
+
+    def extract_concurrency(self) -> int:
+        """Extraction requests in flight (extract.concurrency, or its default for the device)."""
+        if self.extract.concurrency is not None:
+            return self.extract.concurrency
+        return 8 if self.hardware.device == "cpu" else 64
 
     def extract_batch_tokens(self) -> int | None:
         """Tokens an extraction server runs in one step (at least one row); None: vLLM's."""

@@ -416,3 +416,6 @@ def test_the_extraction_servers_step_size_is_a_setting_that_holds_a_row(tmp_path
     # On a GPU, unset: 16,384 (vLLM's own is one context, a few rows a step).
     gpu = server_args(cfg("hardware=gpu1"), Facts(), tmp_path)
     assert gpu[gpu.index("--max-num-batched-tokens") + 1] == "16384"
+    # Requests in flight to fill such steps: 64 on a GPU unless set; 8 on a CPU.
+    assert cfg("hardware=gpu1").extract_concurrency() == 64 and cfg().extract_concurrency() == 8
+    assert cfg("hardware=gpu1", "extract.concurrency=16").extract_concurrency() == 16

@@ -72,3 +72,34 @@ def test_a_draft_travels_packed_without_the_targets_embeddings(trained, tmp_path
     save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
     assert transfer(["unpack", str(packed), str(tmp_path / "no"), "--target", str(other)]) == 1
     assert not (tmp_path / "no").exists()
+
+
+def test_a_sweep_parent_publishes_its_best_child_by_the_objective(tmp_path):
+    """The child with the highest value in its objective column is chosen; children that were
+    not evaluated, failed or trained no draft are passed over."""
+    import json
+
+    import mlflow
+
+    from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG
+    from runner.publish import best_child
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("eagle3", artifact_location=(tmp_path / "a").as_uri())
+
+    def child(value, status="FINISHED", draft=True):
+        tags = {OBJECTIVE_TAG: "acceptance_length"}
+        if value is not None:
+            tags[COLUMNS_TAG] = json.dumps({"acceptance_length": value, "train_loss": 1.0})
+        if draft:
+            tags["path.train"] = "/somewhere/train/key"
+        run = client.create_run(exp, tags=tags)
+        client.set_terminated(run.info.run_id, status=status)
+        return client.get_run(run.info.run_id)
+
+    runs = [child(1.21), child(1.34), child(1.9, status="FAILED"), child(2.0, draft=False)]
+    runs.append(child(None))
+    best, objective, value = best_child(runs)
+    assert best.info.run_id == runs[1].info.run_id
+    assert (objective, value) == ("acceptance_length", 1.34)
+    assert best_child([runs[4]]) is None

@@ -100,6 +100,44 @@ def test_report_prints_the_table_from_mlflow(sweep):
     assert sum(1 for line in lines if "[6, 9, 10, 12]" in line) == 3
 
 
+def test_publishing_a_sweep_parent_without_an_evaluation_lists_its_children(sweep, tmp_path):
+    """This sweep trained but evaluated nothing: there is no objective to pick its best child
+    by, so `publish --run <parent>` is refused in one line naming the nine children."""
+    import mlflow
+
+    root, _ = sweep
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("eagle3")
+    (parent,) = client.search_runs(
+        [exp.experiment_id], filter_string="tags.`sweep.config` = 'capture_x_vocab'"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runner.publish",
+            str(tmp_path / "out"),
+            "--run",
+            parent.info.run_id,
+            "--output-root",
+            str(root),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    children = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    assert "is a sweep's parent and none of its children was evaluated" in out.stderr
+    assert all(c.info.run_id in out.stderr for c in children) and len(children) == 9
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_failed_job_is_a_failed_child_and_the_parent_still_closes(
     tiny12_model_dir, chats_jsonl, tmp_path
 ):

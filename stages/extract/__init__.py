@@ -160,7 +160,7 @@ def plan(p: Plan, view: PlanView) -> None:
             "extract backend",
             f"{who} extract_hidden_states with eagle_aux_hidden_state_layer_ids "
             f"{ext}, "
-            f"chunked prefill and prefix caching off, {x.concurrency} requests in "
+            f"chunked prefill and prefix caching off, {cfg.extract_concurrency()} requests in "
             f"flight{_step(cfg)}, {x.max_retries} retries per sample",
         )
     else:

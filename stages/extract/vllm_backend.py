@@ -92,7 +92,7 @@ def fetch(
             str(server.model_id),
             rows,
             out_dir,
-            concurrency=concurrency or e.concurrency,
+            concurrency=concurrency or cfg.extract_concurrency(),
             timeout_s=e.request_timeout_s,
             retries=e.max_retries,
             done=lambda _row: bar.update(1),
@@ -194,7 +194,7 @@ def extract(
         log.info(
             "[extract] requesting the hidden states of %d rows, %d in flight (extract.concurrency)",
             len(todo),
-            e.concurrency,
+            cfg.extract_concurrency(),
         )
         t0 = time.time()
         failed = fetch(server, todo, done_dir, cfg)
@@ -250,7 +250,7 @@ def extract(
         "server_start_s": start_s,
         # Reading, checking and summarising every file after the client (not in tokens_per_s).
         "check_s": time.time() - t_check,
-        "concurrency": float(cfg.extract.concurrency),
+        "concurrency": float(cfg.extract_concurrency()),
         **selftest,
         "resumed_samples": len(before),
         "redone_unreadable": len(unreadable),
