@@ -251,18 +251,35 @@ def _same_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{c: row.get(c) for c in columns} for row in rows]
 
 
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The jobs as a Markdown table (comparison.md, which MLflow and any viewer render), with the
+    run ids kept so each row leads to its run."""
+    if not rows:
+        return "(no jobs)"
+    cols = list(rows[0])
+
+    def line(vals: list[str]) -> str:
+        return "| " + " | ".join(v.replace("|", "\\|") for v in vals) + " |"
+
+    out = [line(cols), "|" + "|".join("---" for _ in cols) + "|"]
+    out += [line([_cell(r.get(c)) for c in cols]) for r in rows]
+    return "\n".join(out)
+
+
 def render_table(rows: list[dict[str, Any]]) -> str:
+    """The jobs as aligned text columns, for the console."""
     if not rows:
         return "(no jobs)"
     cols = [c for c in rows[0] if c != "run_id"]
-
-    def fmt(v: Any) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
-        return str(v)
-
+    fmt = _cell
     cells = [[fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
 
@@ -292,7 +309,7 @@ def log_comparison(
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (d / "comparison.json").write_text(json.dumps(rows, indent=1, default=str))
-        (d / "comparison.md").write_text(render_table(rows) + "\n")
+        (d / "comparison.md").write_text(markdown_table(rows) + "\n")
         if rows:
             with open(d / "comparison.csv", "w", newline="") as fh:
                 w = csv.DictWriter(fh, fieldnames=list(rows[0]))

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,10 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     assert sum("extract" in r["computed"].split(",") for r in rows) == 1
     arts = {a.path for a in client.list_artifacts(parent)}
     assert {"comparison.csv", "comparison.md", "comparison.json", "comparison.png"} <= arts
+    # A real Markdown table: a header row, the separator row, one row per job.
+    md = Path(client.download_artifacts(parent, "comparison.md")).read_text().splitlines()
+    assert md[0].startswith("| ") and md[1].startswith("|---") and len(md) == 2 + 9
+    assert all(line.startswith("| ") and line.endswith(" |") for line in md[2:])
     assert "sweep time" in stdout
     # Child runs are named after their overrides, so chart legends tell them apart; the end
     # of the sweep names the parent run and how to browse it.
