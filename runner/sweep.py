@@ -351,6 +351,18 @@ def _x_axis(
 def _plot(
     rows: list[dict[str, Any]], path: Path, metric: str, axis: tuple[str, str, str | None]
 ) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = comparison_figure(rows, metric, axis)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def comparison_figure(
+    rows: list[dict[str, Any]], metric: str, axis: tuple[str, str, str | None]
+) -> Any:
+    """`metric` against the swept value `axis` = (key, label, series key), one line per series,
+    on a y axis from zero."""
     import matplotlib  # a second to import; only the end of a sweep plots
 
     matplotlib.use("Agg")
@@ -376,8 +388,11 @@ def _plot(
     ax.set_xticklabels(xs, rotation=15, fontsize=8)
     ax.set_xlabel(x_label)
     ax.set_ylabel(metric.replace("_", " "))
+    # From zero: a zoomed axis made a 0.01 difference on 10 prompts look like a cliff.
+    values = [r[metric] for r in rows if r.get(metric) is not None]
+    if values:
+        ax.set_ylim(min(0.0, min(values)), max(0.0, max(values)) * 1.08 or 1.0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

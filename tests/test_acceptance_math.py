@@ -127,3 +127,19 @@ def test_the_speed_ratio_pairs_repeats_and_reports_their_spread():
     )
     assert abs(m["speedup_c1"] - 1.05) < 1e-9 and abs(m["speedup_c1_std"] - 0.05) < 1e-9
     assert abs(m["speedup_batch"] - 0.925) < 1e-9 and m["target_tok_s_batch"] == 1000.0
+
+
+def test_the_sweep_figure_does_not_zoom_a_small_difference_into_a_cliff():
+    """Acceptance 1.11 against 1.12 on a y axis from zero, not from 1.11."""
+    import matplotlib.pyplot as plt
+
+    from runner.sweep import comparison_figure
+
+    rows = [
+        {"preset": p, "acceptance_length": v, "vocab": "4096"}
+        for p, v in (("early", 1.11), ("late", 1.12))
+    ]
+    fig = comparison_figure(rows, "acceptance_length", ("preset", "capture preset", "vocab"))
+    low, high = fig.axes[0].get_ylim()
+    plt.close(fig)
+    assert low == 0.0 and 1.12 < high < 1.3
