@@ -18,6 +18,7 @@ acceptance positions, appear without changes here; this module never imports a s
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
@@ -319,13 +320,44 @@ def log_comparison(
                 _plot(rows, d / "comparison.png", metric, _x_axis(rows, swept or [], series))
         client.log_artifacts(parent_id, str(d))
     best = [r for r in rows if objective and r.get(objective) is not None]
-    if best:
-        top = max(best, key=lambda r: r[objective])
+    top = max(best, key=lambda r: r[objective]) if best else None
+    if top is not None:
         client.log_metric(parent_id, f"best_{objective}", top[objective])
         client.set_tag(parent_id, "best_run", top["run_id"])
+    for key in swept or []:  # the parent's parameters: each swept setting and its values
+        values = ",".join(dict.fromkeys(str(r.get(key)) for r in rows if key in r))
+        with contextlib.suppress(Exception):  # already logged (same values) by an earlier end
+            client.log_param(parent_id, f"swept.{key}", values[:500])
+    # What the sweep was, at the top of the parent's page in the MLflow UI.
+    client.set_tag(
+        parent_id, "mlflow.note.content", sweep_description(rows, swept or [], objective, top)
+    )
     client.log_metric(parent_id, "jobs", len(rows))
     client.log_metric(parent_id, "sweep_time_s", sum(r["job_s"] for r in rows))
     client.log_metric(parent_id, "alone_time_s", sum(r["alone_s"] for r in rows))
+
+
+def sweep_description(
+    rows: list[dict[str, Any]],
+    swept: list[str],
+    objective: str | None,
+    top: dict[str, Any] | None,
+) -> str:
+    """Markdown: what was swept over which values, the best job by the objective, the table."""
+    done = sum(1 for r in rows if r.get("status") == "FINISHED")
+    lines = [f"**Sweep of {len(rows)} jobs** ({done} finished)."]
+    for key in swept:
+        values = list(dict.fromkeys(str(r.get(key)) for r in rows if key in r))
+        if values:
+            lines.append(f"- `{key}`: {', '.join(values)}")
+    if top is not None and objective:
+        chosen = ", ".join(f"`{k}={top.get(k)}`" for k in swept if k in top)
+        lines.append(
+            f"\n**Best by {objective}: {_cell(top[objective])}** ({chosen}; run {top['run_id']})."
+        )
+    else:
+        lines.append("\nNo job measured an objective (no evaluation), so none is ranked best.")
+    return "\n".join([*lines, "", markdown_table(rows)])
 
 
 def _x_axis(

@@ -71,6 +71,12 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     assert sum("extract" in r["computed"].split(",") for r in rows) == 1
     arts = {a.path for a in client.list_artifacts(parent)}
     assert {"comparison.csv", "comparison.md", "comparison.json", "comparison.png"} <= arts
+    # The parent says what was swept, as its description and its parameters.
+    top = client.get_run(parent)
+    note = top.data.tags["mlflow.note.content"]
+    assert "**Sweep of 9 jobs** (9 finished)" in note and "no evaluation" in note
+    assert "- `model.capture_preset`: default, early, late" in note
+    assert top.data.params["swept.vocab.draft_vocab_size"] == "4096,8192,16384"
     # A real Markdown table: a header row, the separator row, one row per job.
     md = Path(client.download_artifacts(parent, "comparison.md")).read_text().splitlines()
     assert md[0].startswith("| ") and md[1].startswith("|---") and len(md) == 2 + 9
