@@ -40,7 +40,7 @@ from runner.preflight import build_plan
 from runner.schema import RunnerConfig, schema_for, typed
 from runner.stage import Plan, Stage, check_registry
 from runner.store import ArtifactStore, writable_root
-from runner.sweep import PARENT_ENV, sweep_job_tags
+from runner.sweep import PARENT_ENV, sweep_job_tags, swept_keys
 from runner.target_facts import Target, resolve_target
 from runner.tracking import Tracker, process_tags, tracking_uri
 from runner.versions import TRACKED, versions
@@ -191,7 +191,7 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
     pipeline.disk_needs = {
         k.split(".", 1)[1]: v for k, v in plan.numbers.items() if k.startswith("disk_need.")
     }
-    run_id = tracker.start(_run_name(cfg), _run_tags(target))
+    run_id = tracker.start(_run_name(cfg, tracker), _run_tags(target))
     try:
         _log_config(tracker, cfg, target)
         with _cpu_threads(cfg.hardware.cpu_threads):
@@ -232,11 +232,21 @@ def rerun_command() -> str:
     return shlex.join(["python", "-m", "runner", *HydraConfig.get().overrides.task])
 
 
-def _run_name(cfg: RunnerConfig) -> str:
+def _run_name(cfg: RunnerConfig, tracker: Tracker) -> str:
     name = cfg.run_name()
-    # A sweep's jobs are told apart by their overrides (chart legends show run names).
-    overrides = sweep_job_tags().get("sweep.overrides") if os.environ.get(PARENT_ENV) else None
-    return f"{name} [{overrides}]" if overrides else name
+    # A sweep's jobs are told apart by the values they sweep (chart legends show run names);
+    # the overrides every job shares would only repeat.
+    parent = os.environ.get(PARENT_ENV)
+    overrides = sweep_job_tags().get("sweep.overrides") if parent else None
+    if not overrides:
+        return name
+    shown = shlex.split(overrides)
+    try:
+        keys = set(swept_keys(tracker.mlflow.MlflowClient(tracker.uri).get_run(parent).data.tags))
+    except Exception:  # the parent cannot be read: name the job by all its overrides
+        keys = set()
+    swept = [o for o in shown if o.split("=", 1)[0].lstrip("+~") in keys]
+    return f"{name} [{shlex.join(swept or shown)}]"
 
 
 def _run_tags(target: Target) -> dict[str, str]:

@@ -91,6 +91,8 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     assert any(
         "model.capture_preset=late" in n and "vocab.draft_vocab_size=4096" in n for n in names
     )
+    # Only the swept values: the overrides all nine jobs share would only repeat.
+    assert not any("data.num_samples" in n or "model.source" in n for n in names), names
     assert f"sweep parent run {parent}" in stdout and "mlflow ui --backend-store-uri" in stdout
 
 
