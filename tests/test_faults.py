@@ -65,15 +65,19 @@ def _leftovers(root: Path) -> list[Path]:
     return found
 
 
-@pytest.fixture(scope="module")
-def many_chats(tmp_path_factory) -> Path:
-    """600 rows: extraction on the tiny target then lasts long enough to be interrupted."""
-    path = tmp_path_factory.mktemp("faults_data") / "chats.jsonl"
+def write_chats(path: Path, n: int) -> Path:
+    """`n` distinct conversations (the three of tests/conftest.py, numbered) as JSONL at `path`."""
     with open(path, "w") as fh:
-        for i in range(600):
+        for i in range(n):
             conv = [dict(t, content=f"{t['content']} ({i})") for t in CONVERSATIONS[i % 3]]
             fh.write(json.dumps({"messages": conv}) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def many_chats(tmp_path_factory) -> Path:
+    """600 rows: extraction on the tiny target then lasts long enough to be interrupted."""
+    return write_chats(tmp_path_factory.mktemp("faults_data") / "chats.jsonl", 600)
 
 
 @pytest.mark.parametrize(
@@ -372,12 +376,7 @@ def _marked(mark: str, running: str = "") -> list[int]:
 @pytest.fixture(scope="module")
 def long_prepare(tmp_path_factory) -> Path:
     """60,000 rows: tokenising them in two processes lasts long enough to be interrupted."""
-    path = tmp_path_factory.mktemp("faults_long") / "chats.jsonl"
-    with open(path, "w") as fh:
-        for i in range(60000):
-            conv = [dict(t, content=f"{t['content']} ({i})") for t in CONVERSATIONS[i % 3]]
-            fh.write(json.dumps({"messages": conv}) + "\n")
-    return path
+    return write_chats(tmp_path_factory.mktemp("faults_long") / "chats.jsonl", 60000)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
