@@ -9,7 +9,8 @@ vllm_hidden_states_client.py), `speculators` speculators' data-generation client
 used before. The in-process (transformers) backend extracts the same rows once. Every figure is
 one `BENCH` JSON line: rows/s, tokens/s, the ratio to in process, and CPU milliseconds per row in
 the client (this process), the server's API process and its engine core (whichever is near 1.0
-CPU-second per second, `cpu_busy`, is the bound).
+CPU-second per second, `cpu_busy`, is the bound), and the states' bytes a second against what the
+same filesystem takes for files of the same sizes written the same way (`ratio_to_disk`).
 
 Usage (runner overrides after `--`; the prepared rows come from the runner's store, computed if
 missing):
@@ -64,6 +65,24 @@ def _cpu(server) -> dict[str, float]:
         except psutil.Error:
             continue
     return out
+
+
+def _disk_write_rate(folder: Path, files: list[Path]) -> float:
+    """Bytes a second this filesystem takes when the same number of safetensors files of the
+    same sizes as an extraction's are written the way the stage writes them (save_file, through
+    the page cache): the bound when the states, not the server, are the limit."""
+    from safetensors.torch import load_file, save_file
+
+    sizes = [f.stat().st_size for f in files]
+    sample = load_file(str(files[0]))["hidden_states"]
+    folder.mkdir(exist_ok=True)
+    t0 = time.time()
+    for i, size in enumerate(sizes):
+        n = max(1, size // (sample.element_size() * sample.shape[-1]))
+        save_file({"x": sample.new_zeros((n, sample.shape[-1]))}, str(folder / f"{i}.safetensors"))
+    rate = sum(sizes) / (time.time() - t0)
+    shutil.rmtree(folder)
+    return rate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                             _speculators_client(server, requests, out, c)
                         s = time.time() - t0
                         cpu = {n: (v - before.get(n, 0.0)) for n, v in _cpu(server).items()}
+                        written = sorted(out.glob("hs_*.safetensors"))
+                        state_bytes = sum(f.stat().st_size for f in written)
+                        disk = _disk_write_rate(work / "disk", written) if written else 0.0
                         _line(
                             f"vllm_step{step}_c{c}_{k}",
                             {
@@ -129,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                                 "rows_per_s": len(ids) / s,
                                 "tokens_per_s": tokens / s,
                                 "ratio_to_in_process": tokens / s / m["tokens_per_s"],
-                                "files": len(list(out.glob("hs_*.safetensors"))),
+                                "files": len(written),
+                                "state_bytes_per_s": state_bytes / s,
+                                "disk_bytes_per_s": disk,
+                                "ratio_to_disk": state_bytes / s / disk if disk else None,
                                 "cpu_ms_per_row": {
                                     n: round(1000 * v / len(ids), 2) for n, v in cpu.items()
                                 },
