@@ -1,5 +1,6 @@
 """Entry point: `python -m runner [group=option ...] [key=value ...]` (installed: `eagle3-runner`),
-or `-m` for a Hydra multirun.
+or `-m` for a Hydra multirun; `python -m runner ls|publish|transfer|report|gc|--version` runs a
+companion tool (runner/cli.py).
 
 Composes conf/ (see conf/config.yaml), checks the config, materialises the target, plans the
 stages against the artifact store, runs or reuses each one inside one MLflow run, and prints a
@@ -119,5 +120,13 @@ def entry() -> None:
         raise
 
 
+def console() -> None:
+    """The `eagle3-runner` command: a subcommand (ls, publish, transfer, report, gc) or
+    `--version` (runner/cli.py), else the pipeline."""
+    from runner.cli import dispatch
+
+    dispatch(entry)
+
+
 if __name__ == "__main__":
-    entry()
+    console()

@@ -1,8 +1,9 @@
 """List, and on request remove, what an output root holds that nothing uses.
 
-    python -m runner.gc                       # dry run on ./outputs (or $EAGLE3_RUNNER_HOME)
-    python -m runner.gc --root /data/runs --delete
-    python -m runner.gc --delete --unreferenced   # also artifacts no MLflow run refers to
+    eagle3-runner gc                          # dry run on ./outputs (or $EAGLE3_RUNNER_HOME)
+    eagle3-runner gc --output-root /data/runs --delete
+    eagle3-runner gc --delete --unreferenced  # also artifacts no MLflow run refers to
+(`python -m runner.gc` is the same tool.)
 
 What it finds:
 - half-written temporary folders of dead processes on this host (`.tmp-*`, `.old-*`), in the
@@ -91,8 +92,17 @@ def find(root: Path, unreferenced: bool) -> list[tuple[str, Path, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--root", type=Path, default=Path(default_root()), help="run.output_root")
+    ap = argparse.ArgumentParser(prog="eagle3-runner gc", description=__doc__.splitlines()[0])
+    # --root: the name before the companions shared one vocabulary; still accepted.
+    ap.add_argument(
+        "--output-root",
+        "--root",
+        dest="root",
+        type=Path,
+        default=Path(default_root()),
+        metavar="DIR",
+        help="run.output_root (default: $EAGLE3_RUNNER_HOME, else ./outputs)",
+    )
     ap.add_argument("--delete", action="store_true", help="remove what is listed (default: list)")
     ap.add_argument("--unreferenced", action="store_true", help="also artifacts no run names")
     ap.add_argument("--resume-state", action="store_true", help="also unfinished stages' work")

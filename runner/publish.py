@@ -228,9 +228,7 @@ def publish(run: Any, out: Path, repo: str | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m runner.publish", description=__doc__.splitlines()[0]
-    )
+    ap = argparse.ArgumentParser(prog="eagle3-runner publish", description=__doc__.splitlines()[0])
     ap.add_argument("out", help="the folder to write (must not exist, or be empty)")
     ap.add_argument("--run", help="MLflow run id (default: the newest run that trained a draft)")
     ap.add_argument("--repo-id", help="hub repository id, used in the card's serve command")

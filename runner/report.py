@@ -21,14 +21,14 @@ from runner.tracking import missing_store, tracking_uri
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m runner.report", description=__doc__.splitlines()[0]
-    )
-    ap.add_argument("parent", nargs="?", help="sweep parent run id (default: the newest sweep)")
+    ap = argparse.ArgumentParser(prog="eagle3-runner report", description=__doc__.splitlines()[0])
+    ap.add_argument("parent", nargs="?", help="a run or sweep parent id (default: the newest)")
+    ap.add_argument("--run", dest="run_id", help="the same as RUN_ID (publish's name for it)")
     ap.add_argument("--tracking-uri")
     ap.add_argument("--output-root", default=default_root())
     ap.add_argument("--experiment", default="eagle3")
     args = ap.parse_args(argv)
+    args.parent = args.parent or args.run_id
     root = Path(args.output_root).expanduser().resolve()
     uri = tracking_uri(args.tracking_uri, root)
     problem = missing_store(uri)

@@ -125,9 +125,7 @@ def unpack(packed: Path, out: Path, target: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m runner.transfer", description=__doc__.splitlines()[0]
-    )
+    ap = argparse.ArgumentParser(prog="eagle3-runner transfer", description=__doc__.splitlines()[0])
     ap.add_argument("action", choices=("pack", "unpack"))
     ap.add_argument("src", type=Path, help="the draft folder (pack) or the packed one (unpack)")
     ap.add_argument("out", type=Path, help="the folder to write (must not exist, or be empty)")

@@ -1,6 +1,6 @@
-"""The built wheel works installed normally (not editable), away from the source tree: its
-console script finds conf/ and sweeps/ inside the package, prints the composed config and a plan,
-and its --help says what the tool does."""
+"""The built wheel works installed normally (not editable), away from the source tree, and so does
+the `make setup` venv's editable console script: each finds conf/ and sweeps/, prints the composed
+config and a plan, explains itself (--help, --version, ls), runs its companions and completes."""
 
 from __future__ import annotations
 
@@ -100,6 +100,8 @@ def test_the_installed_wheel_composes_plans_and_explains_itself(installed, tmp_p
     helped = _run(installed, "--help", cwd=tmp_path)
     assert helped.stdout.startswith("eagle3-runner: train an EAGLE-3")
     assert "model: hf, kimi_k25, kimi_k25_mini, smollm2_135m" in helped.stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EAGLE3_", "MLFLOW_"))}
+    _family_works(installed / "bin" / "eagle3-runner", tmp_path, env)
 
 
 def test_the_console_script_of_the_setup_venv_works_from_any_directory(tmp_path):
@@ -114,3 +116,27 @@ def test_the_console_script_of_the_setup_venv_works_from_any_directory(tmp_path)
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "vocab: default, gpu" in out.stdout and "Traceback" not in out.stderr
+    _family_works(script, tmp_path, env)
+
+
+def _family_works(script: Path, cwd: Path, env: dict) -> None:
+    """The installed command's companions, version and completion, from `cwd`."""
+
+    def run(*args: str, env: dict = env, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run([str(script), *args], env=env, **kw)
+
+    kw = {"cwd": cwd, "capture_output": True, "text": True, "timeout": 120}
+    version = run("--version", **kw)
+    assert version.returncode == 0 and version.stdout.startswith("eagle3-runner 0.")
+    assert "speculators" in version.stdout and "vllm" in version.stdout
+    listed = run("ls", **kw)
+    assert listed.returncode == 0 and "smollm2_135m" in listed.stdout, listed.stderr[-2000:]
+    assert "capture_x_vocab" in listed.stdout
+    key = run("ls", "train.epochs", **kw)
+    assert key.returncode == 0 and "set in:  conf/train/eagle3_small.yaml" in key.stdout
+    gc = run("gc", "--help", **kw)
+    assert gc.returncode == 0 and gc.stdout.startswith("usage: eagle3-runner gc")
+    done = run("-sc", "query=bash", env={**env, "COMP_LINE": "eagle3-runner model="}, **kw)
+    assert "model=smollm2_135m" in done.stdout and "model=kimi_k25" in done.stdout, done.stderr
+    install = run("-sc", "install=bash", **kw)
+    assert "complete" in install.stdout and "eagle3-runner" in install.stdout

@@ -1,0 +1,96 @@
+"""The `eagle3-runner` command family (runner/cli.py, runner/ls.py): subcommands, `--version`,
+discovery of groups, sweeps and keys, and bash completion, called in process. The console
+scripts themselves (editable install and wheel) are run in tests/test_packaging.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner import cli, ls
+
+
+def _dispatch(capsys, *argv: str) -> tuple[int, str, str]:
+    ran = []
+    with pytest.raises(SystemExit) as stop:
+        cli.dispatch(lambda: ran.append(True) or None, list(argv))
+    assert not ran, "a subcommand must not start the pipeline"
+    out = capsys.readouterr()
+    return stop.value.code, out.out, out.err
+
+
+def test_version_names_the_runner_and_the_engines_that_shape_its_outputs(capsys):
+    code, out, _ = _dispatch(capsys, "--version")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith("eagle3-runner 0.")
+    named = {line.split()[0] for line in lines[1:]}
+    assert {"vllm", "speculators", "torch", "transformers"} <= named
+    assert "Hydra" not in out  # Hydra's own --version used to answer
+
+
+def test_anything_but_a_subcommand_goes_to_the_pipeline():
+    ran = []
+    cli.dispatch(lambda: ran.append(True), ["model=hf", "run.plan_only=true"])
+    assert ran == [True]
+
+
+def test_ls_lists_every_group_option_with_the_default_marked_and_the_sweeps(capsys):
+    code, out, _ = _dispatch(capsys, "ls")
+    assert code == 0
+    for group, options in ls.groups().items():
+        for f in options:
+            assert f.stem in out, (group, f.stem)
+    lines = {line.split("*")[-1].split()[0] for line in out.splitlines() if "*" in line}
+    assert {"smollm2_135m", "cpu", "transformers", "eagle3_small"} <= lines
+    assert "capture_x_vocab" in out and "eagle3-runner -m -cn NAME" in out
+    # One line a choice: the descriptions are the headers' first sentences, not whole headers.
+    assert "One CUDA GPU (e.g. an H100/H200" in out
+
+
+def test_ls_of_a_key_gives_its_type_value_origin_and_comment(capsys):
+    code, out, _ = _dispatch(capsys, "ls", "vocab.draft_vocab_size", "hardware=gpu1")
+    assert code == 0
+    assert "type:    int" in out and "value:   32000" in out
+    assert "set in:  conf/vocab/gpu.yaml" in out
+    assert "most frequent in assistant turns" in out  # the schema's comment
+    code, out, _ = _dispatch(capsys, "ls", "extract.storage")
+    assert code == 0 and "one of bf16, fp8" in out
+
+
+def test_ls_of_an_unknown_key_names_the_keys_its_section_takes(capsys):
+    code, _, err = _dispatch(capsys, "ls", "train.lrr")
+    assert code == 2 and "no key 'lrr' in train" in err and "lr, optimizer" in err
+    code, _, err = _dispatch(capsys, "ls", "modell")
+    assert code == 2 and "neither a config group" in err and "model" in err
+
+
+def test_ls_of_a_group_prints_each_options_whole_header(capsys):
+    code, out, _ = _dispatch(capsys, "ls", "hardware")
+    assert code == 0 and "cpu (default)" in out
+    assert "NO NVLink" in out  # deep in blackwell8's header, which `ls` alone cuts
+
+
+def test_completion_offers_the_subcommands_and_hydras_overrides(capsys, monkeypatch):
+    monkeypatch.setenv("COMP_LINE", "eagle3-runner p")
+    cli._complete_subcommands()
+    assert capsys.readouterr().out.split() == ["publish"]
+    monkeypatch.setenv("COMP_LINE", "eagle3-runner publish --r")
+    with pytest.raises(SystemExit):  # after a subcommand Hydra's overrides would be wrong
+        cli._complete_subcommands()
+    assert capsys.readouterr().out == ""
+
+
+def test_the_companions_share_one_flag_vocabulary():
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    from runner import gc, publish, report
+
+    flags = {}
+    for name, mod in (("gc", gc), ("publish", publish), ("report", report)):
+        buf = StringIO()
+        with redirect_stdout(buf), pytest.raises(SystemExit):
+            mod.main(["--help"])
+        flags[name] = buf.getvalue()
+        assert buf.getvalue().startswith(f"usage: eagle3-runner {name}")
+    assert all("--output-root" in text for text in flags.values())
+    assert "--run" in flags["publish"] and "--run" in flags["report"]
