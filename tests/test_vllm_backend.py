@@ -170,7 +170,7 @@ def test_a_draft_packed_here_and_unpacked_elsewhere_evaluates_alike(runs, root, 
     trained = runs["vllm"]
     target = trained.target.facts.path
     draft = trained.results["train"].path / "draft"
-    packed, back = tmp_path / "packed", tmp_path / "unpacked"
+    packed, back = tmp_path / "draft.packed", tmp_path / "unpacked"
     assert transfer(["pack", str(draft), str(packed), "--target", target]) == 0
     assert transfer(["unpack", str(packed), str(back), "--target", target]) == 0
     alone = run_job(
