@@ -125,3 +125,34 @@ def test_training_rate_is_the_steady_state_median_not_the_compiling_first_step()
     assert out["tokens_per_s_median"] == 1003.0 and out["fetch_frac_median"] == 0.1
     assert out["steps"] == 6 and out["val_loss"] == 4.0 and out["first_loss"] == 9.0
     assert "tokens_per_s_median" not in summarise(records[:1])
+
+
+def test_the_training_progress_line_carries_loss_accuracy_and_the_whole_stages_eta(
+    caplog, monkeypatch
+):
+    """Epoch 1 of 3, 10 steps each, but train.max_steps=25: the line counts to 25 (not to the
+    epoch's 10 or the epochs' 30), with the newest loss and the first positions' accuracy."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    import runner.integrations.speculators as sp
+
+    monkeypatch.setattr(sp, "PROGRESS_EVERY_S", 0.0)
+    clock = iter([100.0, 100.0, 101.0, 102.0])
+    fake = SimpleNamespace(time=lambda: next(clock), strftime=time.strftime, gmtime=time.gmtime)
+    monkeypatch.setattr(sp, "time", fake)
+    records = [{"step": 4, "train/loss": 9.5, "train/full_acc_0": 0.25, "train/full_acc_1": 0.1}]
+    progress = sp._Progress(epoch=0, epochs=3, steps=10, total=25, records=records)
+    with caplog.at_level(logging.INFO, logger="runner"):
+        progress.step(5)  # the first step: the rate starts here
+        progress.step(6)
+        records.append({"step": 6, "train/loss": 8.25, "train/full_acc_0": 0.5})
+        progress.step(7)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == (
+        "[train] step 6/25 (epoch 1/3), loss 9.500, acc 0.25/0.10, 1.00 steps/s, "
+        "stage ends in 00:19"
+    )
+    assert lines[1].startswith("[train] step 7/25 (epoch 1/3), loss 8.250, acc 0.50, ")
+    assert lines[1].endswith("stage ends in 00:18")

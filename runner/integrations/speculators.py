@@ -71,40 +71,57 @@ class TrainingState:
     previous_handlers: dict[int, Any] = field(default_factory=dict)
     # Rank 0 writes {"global_step": n} here after every step (what a killed run got to).
     progress_path: Path | None = None
+    # speculators' metric records so far (MetricCapture's list): the progress line's loss.
+    records: list[dict[str, Any]] = field(default_factory=list)
 
 
 class _Progress:
-    """A line per PROGRESS_EVERY_S seconds while training: steps done of the epoch, rate and
-    time left. The runner's log is a file or a pipe, where speculators' live progress bar shows
-    only at the end of an epoch."""
+    """A line per PROGRESS_EVERY_S seconds while training: where the stage is (global step of
+    all it will take: epochs x steps, or train.max_steps if fewer), the latest training loss and
+    the first positions' accuracy, the rate and the time the whole stage has left. The runner's
+    log is a file or a pipe, where speculators' live progress bar shows only at an epoch's end."""
 
-    def __init__(self, epoch: int, epochs: int, steps: int, start: int) -> None:
-        self.epoch, self.epochs, self.steps, self.first = epoch, epochs, steps, start
+    def __init__(
+        self, epoch: int, epochs: int, steps: int, total: int, records: list[dict[str, Any]]
+    ) -> None:
+        self.epoch, self.epochs, self.steps, self.total = epoch, epochs, steps, total
+        self.records = records
         self.t0: float | None = None
+        self.first = 0
         self.last = time.time()
 
-    def step(self, at: int) -> None:
+    def step(self, global_step: int) -> None:
         now = time.time()
         if self.t0 is None:
             # The rate counts from the first finished step: the first one also compiles (minutes
             # on a GPU from cold caches), which would make every estimate after it far too long.
-            self.t0, self.first = now, at
+            self.t0, self.first = now, global_step
             return
-        if now - self.last < PROGRESS_EVERY_S or at >= self.steps:
+        if now - self.last < PROGRESS_EVERY_S or global_step >= self.total:
             return
         self.last = now
-        rate = (at - self.first) / (now - self.t0)
-        left = (self.steps - at) / rate if rate > 0 else float("nan")
+        rate = (global_step - self.first) / (now - self.t0)
+        left = (self.total - global_step) / rate if rate > 0 else float("nan")
         log.info(
-            "[train] epoch %d/%d, step %d/%d (%.0f%%), %.2f steps/s, epoch ends in %s",
+            "[train] step %d/%d (epoch %d/%d)%s, %.2f steps/s, stage ends in %s",
+            global_step,
+            self.total,
             self.epoch + 1,
             self.epochs,
-            at,
-            self.steps,
-            100 * at / self.steps,
+            self.latest(),
             rate,
             _clock(left) if left == left else "?",
         )
+
+    def latest(self) -> str:
+        """ ", loss 4.12, acc 0.31/0.12/0.05": the newest training record's loss and accuracy at
+        the first three positions (speculators' full_acc_k: all of 0..k right)."""
+        for r in reversed(self.records):
+            if "train/loss" in r:
+                accs = [r[f"train/full_acc_{k}"] for k in range(3) if f"train/full_acc_{k}" in r]
+                acc = "/".join(f"{a:.2f}" for a in accs)
+                return f", loss {r['train/loss']:.3f}" + (f", acc {acc}" if acc else "")
+        return ""
 
 
 def _clock(seconds: float) -> str:
@@ -194,13 +211,17 @@ def runner_training(state: TrainingState, device: str | None = None) -> Iterator
         def train_epoch(self, epoch: int, *, step_callback: Any = None) -> Any:
             start = getattr(self, "_resume_local_step", 0)  # read before speculators resets it
             done = 0
-            progress = _Progress(epoch, self.config.num_epochs, len(self.train_loader), start)
+            steps = len(self.train_loader)
+            total = self.config.num_epochs * steps
+            if self.config.max_steps is not None:
+                total = min(total, self.config.max_steps)
+            progress = _Progress(epoch, self.config.num_epochs, steps, total, state.records)
 
             def on_step() -> None:
                 nonlocal done
                 done += 1
                 if getattr(self, "rank", 0) == 0:
-                    progress.step(start + done)
+                    progress.step(self.global_step)
                 if step_callback is not None:
                     step_callback()
                 state.epoch, state.local_step = epoch, start + done
@@ -527,7 +548,11 @@ def run_training(
         raise ConfigError("train.extra_args", f"speculators refuses them: {exc.message}") from None
     state = TrainingState(progress_path=work / "progress.json")
     status = "finished"
-    with capture_metrics(work / "metrics.jsonl" if rank0 else None), runner_training(state, device):
+    with (
+        capture_metrics(work / "metrics.jsonl" if rank0 else None) as capture,
+        runner_training(state, device),
+    ):
+        state.records = capture.records
         try:
             speculators_train(config)
         except StopRequested as stop:
