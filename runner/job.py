@@ -334,6 +334,7 @@ def _log_comparison(tracker: Tracker, cfg: RunnerConfig, results: dict[str, Stag
             found += [{"stage": r.name, **x} for x in stage.results(r.metrics, cfg)]
     tracker.set_tags(
         {
+            "smoke_test": str(cfg.run.smoke_test).lower(),
             COLUMNS_TAG: json.dumps(row),
             OBJECTIVE_TAG: objective or "",
             PLOTTED_TAG: json.dumps(plotted),
@@ -383,6 +384,12 @@ def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> tuple[st
     if logs:
         found.append(f"  logs: {', '.join(logs)}")
     head = f"==== eagle3 runner: done in {result.seconds:.1f} s ===="
+    if cfg.run.smoke_test:
+        key.insert(
+            0,
+            "  SMOKE TEST (run.smoke_test, e.g. preset=quick): every stage works here; the "
+            "figures are too small to judge a draft by",
+        )
     console = "\n".join(
         ["", head, *table, *found, *key, f"  MLflow run {result.run_id}: {tracker.ui_command()}"]
     )

@@ -40,7 +40,8 @@ def header(path: Path) -> str:
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        lines.append(line.lstrip("#").strip())
+        if not re.match(r"#\s*@", line):  # Hydra's directives (# @package), not prose
+            lines.append(line.lstrip("#").strip())
     return " ".join(x for x in lines if x)
 
 
@@ -48,7 +49,7 @@ def first_sentence(text: str, width: int = 88) -> str:
     """The header's first sentence, without its "Target:"-style label, cut to `width`."""
     text = re.sub(
         r"^(Target|Data|Hardware|Train|Vocab|Evaluate|Extract|Regenerate|Tracking|"
-        r"Launcher|Sweep)[^:]*:\s*",
+        r"Launcher|Sweep|Preset)[^:]*:\s*",
         "",
         text,
     )

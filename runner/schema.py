@@ -789,6 +789,9 @@ class RunConfig:
     verify: Verify = Verify.cheap
     # What a damaged artifact leads to.
     on_damaged: OnDamaged = OnDamaged.recompute
+    # A smoke test (preset=quick sets it): the summary and the MLflow run say that its figures
+    # show the stages work, not how good a draft is.
+    smoke_test: bool = False
 
     def check(self, known: tuple[str, ...]) -> None:
         for key, names in (("run.stages", self.stages), ("run.force", self.force)):

@@ -41,7 +41,7 @@ from runner.errors import ConfigError
 from runner.interrupts import between_jobs, held_back
 from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, PLOTTED_TAG, SERIES_TAG
 from runner.store import writable_root
-from runner.tracking import Tracker, check_store, process_tags, tracking_uri
+from runner.tracking import Tracker, check_store, process_tags, tracking_uri, ui_command
 
 log = logging.getLogger("runner")
 # The sweep's parent run id, exported for the jobs (the joblib launcher's too).
@@ -156,7 +156,7 @@ class SweepCallback(Callback):
         )
         print(render_table(rows))
         client.set_terminated(parent, status="FAILED" if failed else "FINISHED")
-        ui = f"open {uri}" if uri.startswith("http") else f"mlflow ui --backend-store-uri {uri}"
+        ui = ui_command(uri, client.get_run(parent).info.experiment_id, parent)
         print(f"sweep parent run {parent} (its children are the jobs; compare them there): {ui}")
         if failed:
             print(f"{len(failed)} sweep job(s) failed: {failed}", file=sys.stderr)

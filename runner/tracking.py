@@ -6,7 +6,8 @@ speculators' own MLflow logger (`--logger mlflow`) finds the active run and writ
 training metrics into it.
 
 Browse with the command `Tracker.ui_command()` returns, e.g.
-`mlflow ui --backend-store-uri sqlite:////abs/outputs/mlflow.db`.
+`mlflow ui --backend-store-uri sqlite:////abs/outputs/mlflow.db`, then the run's page it names,
+in MLflow's model-training view (the experiment is tagged as model development).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from runner.layout import RunLayout
 from runner.schema import TrackingConfig
 
 log = logging.getLogger(__name__)
+# MLflow 3's UI opens an experiment in its GenAI view unless the experiment says it holds model
+# training (the experiment kind its UI reads), and the address can ask for the training view.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+UI_VIEW = "workflowType=machine_learning"
 
 # The user's own MLFLOW_TRACKING_URI, read before mlflow.set_tracking_uri (which exports the URI
 # it is given to the environment) could make one job's store look like the user's choice to the
@@ -260,12 +265,20 @@ class Tracker:
 
     def _experiment(self, name: str, output_root: Path) -> str:
         exp = self.mlflow.get_experiment_by_name(name)
-        if exp is not None:
-            return exp.experiment_id
-        artifact_location = None
-        if self.uri.startswith("sqlite:"):
-            artifact_location = RunLayout(output_root).mlflow_artifacts.resolve().as_uri()
-        return self.mlflow.create_experiment(name, artifact_location=artifact_location)
+        if exp is None:
+            artifact_location = None
+            if self.uri.startswith("sqlite:"):
+                artifact_location = RunLayout(output_root).mlflow_artifacts.resolve().as_uri()
+            exp_id = self.mlflow.create_experiment(
+                name, artifact_location=artifact_location, tags=EXPERIMENT_TAGS
+            )
+        else:
+            exp_id = exp.experiment_id
+            if any(exp.tags.get(k) != v for k, v in EXPERIMENT_TAGS.items()):
+                client = self.mlflow.MlflowClient(self.uri)  # an experiment from before the tag
+                for k, v in EXPERIMENT_TAGS.items():
+                    client.set_experiment_tag(exp_id, k, v)
+        return exp_id
 
     def _reconcile(self) -> None:
         """Runs of this experiment left RUNNING by a runner on this host that no longer lives
@@ -414,6 +427,13 @@ class Tracker:
             self.mlflow.log_text(text, artifact_file)
 
     def ui_command(self) -> str:
-        if self.uri.startswith(("http://", "https://")):
-            return f"open {self.uri}"
-        return f"mlflow ui --backend-store-uri {self.uri}"
+        return ui_command(self.uri, self.experiment_id, self.run_id)
+
+
+def ui_command(uri: str, experiment_id: str | None, run_id: str | None) -> str:
+    """How to see a run: the UI command, then the run's page in MLflow's model-training view
+    (the `workflowType` the UI reads from the address; it opens in its GenAI view otherwise)."""
+    page = f"#/experiments/{experiment_id}/runs/{run_id}?{UI_VIEW}"
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri.rstrip('/')}/{page}"
+    return f"mlflow ui --backend-store-uri {uri}, then open http://127.0.0.1:5000/{page}"

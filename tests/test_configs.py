@@ -201,3 +201,11 @@ def test_the_old_draft_vocab_key_still_works_and_says_where_it_moved(caplog):
     assert "use vocab.draft_vocab_size" in caplog.text
     # The GPU hardware options bring the GPU recipe's vocab with its training recipe.
     assert check_declared(compose(["hardware=gpu1"])).vocab.draft_vocab_size == 32000
+
+
+def test_the_quick_preset_is_a_marked_smoke_test_that_passes_the_checks():
+    cfg = typed(compose(["preset=quick"]))
+    assert cfg.run.smoke_test and cfg.data.num_samples == 200 and cfg.train.epochs == 1
+    assert cfg.eval.num_prompts == 10 and cfg.eval.speed_repeats == 1
+    cfg.check(tuple(s.name for s in REGISTRY))
+    assert not typed(compose([])).run.smoke_test

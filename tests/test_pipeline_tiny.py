@@ -146,6 +146,9 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(first_run):
         a.path for a in client.list_artifacts(run.info.run_id, "extract")
     }
     assert "draft checkpoint:" in run.data.tags["mlflow.note.content"]
+    # The UI opens the experiment in its model-training view, not the GenAI one.
+    exp = client.get_experiment(run.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_second_run_reuses_every_stage(first_run, tiny_model_dir, chats_jsonl):
