@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.assets import resolve_model
 from runner.checks import check_config, check_target
+from runner.console import counted, library_note, quiet_libraries
 from runner.errors import ConfigError, StageError
 from runner.interrupts import Interrupted, as_interrupted, held_back, stop_on_signals
 from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, PLOTTED_TAG, RESULTS_FILE, SERIES_TAG
@@ -84,7 +85,13 @@ def _job_log_handlers() -> list[logging.Handler]:
     return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
 
 
+# The libraries' warnings counted before this job (runner/console.py): its summary reports its own.
+_WARNINGS_AT_START: dict[str, int] = {}
+
+
 def _setup_logging() -> None:
+    _WARNINGS_AT_START.clear()
+    _WARNINGS_AT_START.update(counted())
     root = logging.getLogger("runner")
     if not root.handlers:
         h = logging.StreamHandler(sys.stdout)
@@ -98,6 +105,7 @@ def _setup_logging() -> None:
         root.removeHandler(h)
     for h in _job_log_handlers():
         root.addHandler(h)
+    quiet_libraries()
 
 
 def _echo(text: str) -> None:
@@ -383,6 +391,9 @@ def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> tuple[st
     logs = [str(r.path / "logs") for r in result.results.values() if (r.path / "logs").is_dir()]
     if logs:
         found.append(f"  logs: {', '.join(logs)}")
+    note = library_note(_WARNINGS_AT_START, [h.baseFilename for h in _job_log_handlers()])
+    if note:
+        found.append(f"  {note}")
     head = f"==== eagle3 runner: done in {result.seconds:.1f} s ===="
     if cfg.run.smoke_test:
         key.insert(

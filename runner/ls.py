@@ -76,7 +76,8 @@ def groups() -> dict[str, list[Path]]:
     conf = config_folder("conf")
     found: dict[str, list[Path]] = {}
     for f in sorted(conf.rglob("*.yaml")):
-        if f.parent != conf:
+        # Hydra's job logging is the runner's own, not a user's choice.
+        if f.parent != conf and f.parent.name != "job_logging":
             found.setdefault(f.parent.relative_to(conf).as_posix(), []).append(f)
     return found
 

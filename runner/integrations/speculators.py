@@ -13,6 +13,8 @@ Private APIs touched:
   (`runner_training`: CPU, gloo, stop at a step boundary with a resumable checkpoint).
 - `speculators.losses.fused.loss_forward_kernel` / `loss_backward_kernel` autotuner `configs`
   and `keys` (`fix_fused_loss_for_torch_compile`, torch 2.11 only).
+- `speculators.train.trainer.tqdm` (its epoch bar, replaced by the progress line while the
+  runner trains);
 - `speculators.train.cli.setup_metric_logger` and the "speculators.metrics" logger's record
   format (`capture_metrics`: keeps the metric dicts its MLflow logger receives).
 - through `speculators_slots` (imported by `register_slot_backend`): hs-connectors'
@@ -268,6 +270,10 @@ def runner_training(state: TrainingState, device: str | None = None) -> Iterator
         d._init_sp_process_groups(d._rank, d._world_size, sp_size)
 
     cli.Trainer = RunnerTrainer
+    # Its rich epoch bar draws only at an epoch's end in a log or a pipe; the progress line
+    # (_Progress) says the same every PROGRESS_EVERY_S, in the runner's format.
+    base_bar = trainer_mod.tqdm
+    trainer_mod.tqdm = lambda iterable, *a, **kw: iterable
     if on_cpu:
         trainer_mod._StepTimer = CPUStepTimer
         cli.maybe_setup_distributed = setup_distributed_on_cpu
@@ -278,6 +284,7 @@ def runner_training(state: TrainingState, device: str | None = None) -> Iterator
         yield
     finally:
         cli.Trainer = base_trainer
+        trainer_mod.tqdm = base_bar
         trainer_mod._StepTimer = base_timer
         cli.maybe_setup_distributed = base_setup_distributed
         checkpointer_mod.get_current_device = base_device
