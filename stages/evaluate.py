@@ -271,6 +271,19 @@ def _serve(
                     f"vLLM served the draft but counted no speculative drafts on {name}; see "
                     f"{server.log_path}"
                 )
+            accepted = (
+                f", acceptance length {1 + counters['accepted'] / counters['drafts']:.3f}"
+                if counters
+                else ""
+            )
+            log.info(
+                "[evaluate] %s: %s, %d prompts generated in %.1f s%s",
+                label,
+                name,
+                len(prompts),
+                gen_s,
+                accepted,
+            )
             out[name] = {
                 "generate_s": gen_s,
                 "token_ids": [list(o.choices[0].token_ids) for o in outs],
@@ -280,6 +293,13 @@ def _serve(
                 **({"likeliest": [_likeliest(o.choices[0]) for o in outs]} if likeliest else {}),
             }
         if speed_repeats:
+            log.info(
+                "[evaluate] %s: timing (1 untimed pass, then %d timed) at concurrency 1 and at "
+                "batch %d",
+                label,
+                speed_repeats,
+                len(first),
+            )
             with quiet_http_logs():
                 out[next(iter(sets))]["speed"] = _speed(server, first, cfg, speed_repeats)
     return server.start_s, out
@@ -618,7 +638,8 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
             f"{metrics['speedup_c1_std']:.2f} at concurrency 1, {metrics['speedup_batch']:.2f}x "
             f"± {metrics['speedup_batch_std']:.2f} at batch {metrics['speed_batch']:.0f}"
             + (
-                " (on CPU vLLM's speculative decoding is slower than the target alone)"
+                " (on a CPU, vLLM's speculative decoding is slower than the target alone "
+                "whatever the draft, so this ratio says nothing about a GPU)"
                 if cfg.hardware.device == "cpu"
                 else ""
             )
