@@ -58,6 +58,8 @@ def quiet_libraries() -> None:
     ):
         return
     logging.captureWarnings(True)
+    # MLflow's own handler prints its database set-up in a format of its own.
+    os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     try:
