@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from typing import Any
 
+from runner.integrations.speculators import ECHO_STEPS_ENV
+
+# Libraries whose lines are the runner's interface: Hydra's (a sweep's job list, "#1 : ...").
+_SHOWN = ("hydra",)
 # Source -> warnings kept off the console in this process (a sweep's jobs add up; each job's
 # summary reports what it added).
 WARNINGS: collections.Counter[str] = collections.Counter()
@@ -34,8 +39,10 @@ class LibraryFilter(logging.Filter):
     own): errors pass, warnings are counted, the rest stays in the log file."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
+        if record.levelno >= logging.ERROR or record.name.startswith(_SHOWN):
             return True
+        if record.name == "speculators.metrics":  # per-step records, asked for by echo_steps
+            return os.environ.get(ECHO_STEPS_ENV) == "1"
         if record.levelno >= logging.WARNING:
             WARNINGS[_source(record)] += 1
         return False
@@ -51,8 +58,6 @@ def quiet_libraries() -> None:
     and the progress bars of transformers, huggingface_hub and datasets are off (read from the
     environment when they are imported or draw). Only under Hydra's job logging, where the
     console filter is in place; idempotent."""
-    import os
-
     if not any(
         any(isinstance(f, LibraryFilter) for f in h.filters) for h in logging.getLogger().handlers
     ):

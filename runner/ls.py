@@ -151,11 +151,10 @@ def describe_key(key: str, overrides: list[str]) -> str:
     """One key's help: type, value in the composed config, where it is set, the comment."""
     from omegaconf import OmegaConf
 
-    import runner.__main__  # noqa: F401  (registers the schema with Hydra)
-    from runner.schema import schema_for
-    from stages import REGISTRY
+    import runner.__main__  # noqa: F401  (the composition root registers the stages' schema)
+    from runner.schema import registered_schema
 
-    cls: Any = schema_for(REGISTRY)
+    cls: Any = registered_schema()
     parts = key.split(".")
     owner, kind = cls, None
     for i, part in enumerate(parts):

@@ -940,6 +940,12 @@ def register(stages: Iterable[Any]) -> type[RunnerConfig]:
     return schema
 
 
+def registered_schema() -> type[RunnerConfig]:
+    """The schema the composition root registered (`register`): RunnerConfig plus the stages'
+    own sections."""
+    return _REGISTERED[0]
+
+
 def check_known_keys(node: DictConfig, schema: type[RunnerConfig] | None = None) -> None:
     """Reject keys the schema does not know, including ones added with Hydra's `+key=value`
     (which bypasses the schema's struct mode). Free-form dicts (env, extra args) are exempt."""

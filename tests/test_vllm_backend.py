@@ -357,8 +357,8 @@ def test_ctrl_c_while_the_server_loads_stops_it(root):
             "run.name=interrupted",
         ],
         root,
-        lambda line: line.startswith("[vllm:extract]"),
-    )  # the server is up and logging
+        lambda line: "[vllm:extract] Resolved architecture" in line,
+    )  # the server is up and logging its milestones
     proc.send_signal(signal.SIGINT)
     rest = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0
