@@ -638,8 +638,8 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
             f"{metrics['speedup_c1_std']:.2f} at concurrency 1, {metrics['speedup_batch']:.2f}x "
             f"± {metrics['speedup_batch_std']:.2f} at batch {metrics['speed_batch']:.0f}"
             + (
-                " (on a CPU, vLLM's speculative decoding is slower than the target alone "
-                "whatever the draft, so this ratio says nothing about a GPU)"
+                " (on a CPU this ratio says nothing about a GPU: vLLM warns that speculative "
+                "decoding on a CPU without Intel OpenMP loses much of its speed)"
                 if cfg.hardware.device == "cpu"
                 else ""
             )
