@@ -56,6 +56,9 @@ def resolve_model(model_cfg: ModelConfig, output_root: Path) -> str:
 def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
     import torch  # slow imports: only for the one-time conversion
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its per-tensor bar; the runner logs the conversion
 
     tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf_file)
     quantised = AutoModelForCausalLM.from_pretrained(

@@ -76,6 +76,14 @@ def quiet_libraries() -> None:
         pass
 
 
+def bar_interval() -> float:
+    """Seconds between a stage's progress-bar redraws: tqdm's own on a terminal; in a log file or
+    a pipe, where every redraw is a line, one every 15 s."""
+    import sys
+
+    return 0.1 if sys.stderr.isatty() else 15.0
+
+
 def counted() -> dict[str, int]:
     return dict(WARNINGS)
 

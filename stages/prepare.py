@@ -36,6 +36,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from runner.console import bar_interval
 from runner.conversations import (
     data_fingerprint,
     hub_problem,
@@ -351,7 +352,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     procs = worker_count(cfg.num_proc, total)
     if procs > 1:
         log.info("prepare: tokenising in %d processes (data.num_proc)", procs)
-    bar = tqdm(total=total, desc="prepare", unit="row")
+    bar = tqdm(total=total, desc="prepare", unit="row", mininterval=bar_interval())
     model = ctx.cfg.model
     pool = tokenizer_pool(str(ctx.facts.path), model.trust_remote_code, model.chat_template, procs)
     done = False

@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from runner.console import bar_interval
 from runner.conversations import read_conversations
 from runner.errors import StageError
 from runner.mixing import about, sources
@@ -407,7 +408,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     todo = [j for j in jobs if j.index not in done]
     failures: list[str] = []
     t0 = time.time()
-    bar = tqdm(total=len(jobs), initial=len(done), desc="regenerate", unit="conv")
+    bar = tqdm(
+        total=len(jobs),
+        initial=len(done),
+        desc="regenerate",
+        unit="conv",
+        mininterval=bar_interval(),
+    )
     gen: Any = None
     try:
         if todo:

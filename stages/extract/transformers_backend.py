@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from runner.console import bar_interval
 from runner.layer_ids import hook_point
 from runner.schema import RunnerConfig
 from runner.stage import StageContext
@@ -222,7 +223,14 @@ def extract_to_files(
 
     with (
         ThreadPoolExecutor(max_workers=writers) as pool,
-        tqdm(total=total, desc="extract", unit="tok", unit_scale=True, disable=not progress) as bar,
+        tqdm(
+            total=total,
+            desc="extract",
+            unit="tok",
+            unit_scale=True,
+            disable=not progress,
+            mininterval=bar_interval(),
+        ) as bar,
     ):
         for idx, lens, host, release in backend.iter_batches(rows, order, stats):
             futures = [

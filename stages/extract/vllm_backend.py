@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from runner.console import bar_interval
 from runner.errors import StageError
 from runner.integrations.vllm_hidden_states_client import ServerGone, fetch_rows
 from runner.schema import RunnerConfig
@@ -85,7 +86,13 @@ def fetch(
     from tqdm import tqdm
 
     e = cfg.extract
-    bar = tqdm(total=len(rows), desc="extract", unit="row", disable=len(rows) < 2)
+    bar = tqdm(
+        total=len(rows),
+        desc="extract",
+        unit="row",
+        disable=len(rows) < 2,
+        mininterval=bar_interval(),
+    )
     try:
         return fetch_rows(
             server.url,
