@@ -87,6 +87,19 @@ def end_interrupted_sweep(config: DictConfig) -> None:
         log.error("could not mark the sweep's parent run %s KILLED (%s)", parent, exc)
 
 
+def _swept_title(overrides: list[str]) -> str:
+    """'train.lr=1e-3,3e-3 vocab.draft_vocab_size=4096,8192': the sweeping overrides, as Hydra's
+    own parser tells them apart from the plain ones."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        swept = [o.input_line for o in parsed if o.is_sweep_override()]
+    except Exception:  # Hydra refuses the line itself before a sweep starts; a title is cosmetic
+        swept = overrides
+    return " ".join(swept)[:200] or "defaults"
+
+
 class SweepCallback(Callback):
     """The runner's Hydra callback: the sweep's parent run, and a writable output root first."""
 
@@ -107,8 +120,9 @@ class SweepCallback(Callback):
         client = mlflow.MlflowClient(uri)
         overrides = list(config.hydra.overrides.task)
         sweep_name = config.hydra.job.config_name
-        # A sweep file names the sweep (-cn capture_layers); a command-line sweep, its overrides.
-        title = sweep_name if sweep_name != "config" else " ".join(overrides)[:200] or "defaults"
+        # A sweep file names the sweep (-cn capture_layers); a command-line sweep, the overrides it
+        # sweeps (the ones every job shares are in the parent's tags and in each child).
+        title = sweep_name if sweep_name != "config" else _swept_title(overrides)
         run = client.create_run(
             tracker.experiment_id,
             run_name=f"sweep {title}",

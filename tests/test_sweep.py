@@ -238,3 +238,20 @@ def test_a_config_group_sweep_is_compared_by_its_options():
 
     rows = [run_row(child(b), ["regenerate"]) for b in ("none", "vllm")]
     assert [r["regenerate"] for r in rows] == ["none", "vllm"]
+
+
+def test_a_command_line_sweeps_parent_is_named_by_what_it_sweeps():
+    """Not by every override: the shared ones (local paths among them) are in its tags."""
+    from runner.sweep import _swept_title
+
+    line = [
+        "model=hf",
+        "model.source=/data/m",
+        "model.capture_layers=[1,2,3]",
+        "train.lr=1e-3,3e-3",
+    ]
+    assert _swept_title(line) == "train.lr=1e-3,3e-3"
+    assert _swept_title(["vocab.draft_vocab_size=range(4096,8193,4096)", "x=[1,2],[3,4]"]) == (
+        "vocab.draft_vocab_size=range(4096,8193,4096) x=[1,2],[3,4]"
+    )
+    assert _swept_title([]) == "defaults"
