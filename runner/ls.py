@@ -132,6 +132,22 @@ def field_comment(cls: type, name: str) -> str:
     return ""
 
 
+def yaml_comment(path: Path, name: str) -> str:
+    """The comment on `name:`'s line in a config file, or the comment lines right above it (not
+    the file's own header)."""
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not re.match(rf"\s*{re.escape(name)}\s*:", line):
+            continue
+        if "#" in line:
+            return line.split("#", 1)[1].strip()
+        j = i
+        while j > 0 and lines[j - 1].strip().startswith("#"):
+            j -= 1
+        return "" if j == 0 else " ".join(x.strip().lstrip("#").strip() for x in lines[j:i])
+    return ""
+
+
 def _section_type(kind: Any) -> type | None:
     """The dataclass behind a field's annotation (through Optional), if any."""
     for k in (kind, *typing.get_args(kind)):
@@ -183,6 +199,8 @@ def describe_key(key: str, overrides: list[str]) -> str:
     if section is not None:
         lines.append("  keys:    " + ", ".join(f.name for f in dataclasses.fields(section)))
     comment = field_comment(owner, parts[-1])
+    if not comment and origin.endswith(".yaml"):  # the file that sets it may say why
+        comment = yaml_comment(config_folder("conf").parent / origin, parts[-1])
     if comment:
         lines.extend(textwrap.wrap(comment, 92, initial_indent="  ", subsequent_indent="  "))
     return "\n".join(lines)

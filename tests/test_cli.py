@@ -94,3 +94,9 @@ def test_the_companions_share_one_flag_vocabulary():
         assert buf.getvalue().startswith(f"usage: eagle3-runner {name}")
     assert all("--output-root" in text for text in flags.values())
     assert "--run" in flags["publish"] and "--run" in flags["report"]
+
+
+def test_ls_of_a_key_the_schema_leaves_bare_quotes_the_file_that_sets_it(capsys):
+    code, out, _ = _dispatch(capsys, "ls", "train.lr", "hardware=gpu1")
+    assert code == 0 and "set in:  conf/train/eagle3_gpu.yaml" in out
+    assert "speculators' default" in out  # the comment on its line there
