@@ -53,7 +53,8 @@ def first_sentence(text: str, width: int = 88) -> str:
         "",
         text,
     )
-    text = text[:1].upper() + text[1:]
+    if not text.startswith("speculators"):  # a name keeps its own case
+        text = text[:1].upper() + text[1:]
     # A full stop ends it; the ones of "e.g." and "i.e." do not.
     end = re.search(r"(?<![ .(][a-z]\.[a-z])(?<=[a-z0-9)\]])\.(\s|$)", text)
     sentence = text[: end.start() + 1] if end else text
