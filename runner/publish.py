@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import shutil
@@ -350,6 +351,8 @@ def _main(args: argparse.Namespace) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 1
+    # (its bar for the one small results file it downloads would be most of the output)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow  # seconds to import; after the cheap checks
     from mlflow.exceptions import MlflowException
 
