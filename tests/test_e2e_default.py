@@ -119,7 +119,11 @@ def test_acceptance_is_measured_by_vllm(runs):
     assert m["speed_batch"] == 6 and m["speed_repeats"] == 1
     assert m["speedup_c1"] > 0 and m["speedup_batch"] > 0 and m["target_tok_s_c1"] > 0
     speed = next(line for line in lines if line.startswith("speed, warm"))
-    assert "at concurrency 1" in speed and "at batch 6" in speed and "slower" in speed
+    assert (
+        "at concurrency 1" in speed
+        and "at batch 6" in speed
+        and "says nothing about a GPU" in speed
+    )
     assert "teacher_forced_acceptance_length" in m
     # Three servers (draft, target, random draft), each started, logged and stopped by the runner.
     logs = first.results["evaluate"].path / "logs"
