@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -34,6 +33,7 @@ from runner.interrupts import companion
 from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, RESULTS_FILE
 from runner.layout import default_root
 from runner.store import new_folder
+from runner.target_facts import hub_repo_id
 from runner.tracking import missing_store, tracking_uri
 
 
@@ -125,14 +125,6 @@ def run_results(run: Any) -> list[dict[str, Any]]:
 # The runner's machine-specific serve command, written beside the card (it names this machine's
 # paths, so it is neither in the card nor uploaded).
 LOCAL_SERVE = "serve_local.sh"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def _hub_id(value: str | None) -> str | None:
-    """`value` if it names a hub repository (org/name), not a path or a package."""
-    if not value or value.startswith(("package:", "/", ".", "~")) or Path(value).exists():
-        return None
-    return value if _HUB_ID.match(value) else None
 
 
 def _front_matter(readme: Path) -> dict[str, Any]:
@@ -179,7 +171,7 @@ def card_datasets(params: dict[str, str]) -> list[str]:
     """The hub ids of the training data: data.hub_id, else data.source when it is one."""
     found = []
     for key in ("data.hub_id", "data.source"):
-        hub = _hub_id(params.get(key))
+        hub = hub_repo_id(params.get(key))
         if hub:
             found.append(hub)
             break
@@ -198,7 +190,7 @@ def model_card(
     name), the draft by `repo`."""
     p = run.data.params
     ours = draft_config.get("eagle3_runner", {})
-    hub = _hub_id(ours.get("target_hub_id")) or _hub_id(p.get("model.hub_id"))
+    hub = hub_repo_id(ours.get("target_hub_id")) or hub_repo_id(p.get("model.hub_id"))
     target = hub or f"{p.get('model.name')} (a local model: set model.hub_id to name it)"
     k = int(p.get("eval.num_speculative_tokens", "3"))
     spec = {"method": "eagle3", "model": repo, "num_speculative_tokens": k}

@@ -365,11 +365,15 @@ def target_context(config: dict) -> int | None:
     return int(value) if value else None
 
 
+def hub_repo_id(value: str | None) -> str | None:
+    """`value` if it names a hub repository, None for a folder, a file, a package or nothing."""
+    if not value or value == "None":  # (MLflow records a null param as "None")
+        return None
+    if value.startswith(("package:", "miniature:", "/", ".", "~")) or Path(value).exists():
+        return None
+    return value
+
+
 def target_hub_id(cfg: RunnerConfig) -> str | None:
     """model.hub_id, else model.source when it is a hub id (not a folder or a package)."""
-    if cfg.model.hub_id:
-        return cfg.model.hub_id
-    src = cfg.model.source
-    if src.startswith(("package:", "miniature:", "/", ".", "~")) or Path(src).exists():
-        return None
-    return src
+    return cfg.model.hub_id or hub_repo_id(cfg.model.source)

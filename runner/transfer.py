@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 
 from runner.interrupts import companion
 from runner.store import new_folder
+from runner.target_facts import hub_repo_id
 
 WEIGHTS = "model.safetensors"
 MANIFEST = "packed.json"
@@ -43,7 +43,6 @@ MARKER = "NEEDS_UNPACKING.txt"
 # The only target tensors an EAGLE-3 draft holds copies of: what `pack` looks for in a hub
 # target's shards (a local target is searched whole, by content).
 SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def packed_reason(folder: Path) -> str | None:
@@ -66,7 +65,7 @@ def target_files(target: str | Path, names: set[str] | None = None) -> dict[str,
         if not found:
             raise FileNotFoundError(f"no .safetensors file in the target folder {folder}")
         return {n: f for n, f in found.items() if names is None or n in names}
-    if not _HUB_ID.match(str(target)):
+    if hub_repo_id(str(target)) is None:
         raise FileNotFoundError(f"--target {target}: neither a folder nor a hub id (org/name)")
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
