@@ -22,11 +22,20 @@ lint: setup  ## Lint and check formatting (ruff, configured in pyproject.toml)
 fmt: setup  ## Format the code and apply ruff's safe fixes
 	$(PY) -m ruff format . && $(PY) -m ruff check --fix .
 
-test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (~5 min)
-	@$(call timed,$(PY) -m pytest -q -m "not e2e and not vllm and not faults",fast tests)
+# Two workers (pytest-xdist), a test file each at a time: module fixtures are built once, and the
+# two cores stay busy while one worker waits on a child process: 518 s here, where one process
+# took 583 s before this lane gained about 4 minutes of tests.
+# A worker that dies (the OOM killer) is not replaced: xdist's replacement once waited forever and
+# held CI to its limit; the dead worker's test fails and the lane ends.
+XDIST := -n 2 --dist loadfile --max-worker-restart=0
+test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (~9 min)
+	@$(call timed,$(PY) -m pytest -q $(XDIST) --timeout=600 -m "not e2e and not vllm and not faults",fast tests)
 
-test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lane, fault injection (~30 min)
-	@$(call timed,$(PY) -m pytest -q -m "e2e or vllm or faults",slow lanes)
+# Also two workers, a file each. Both saturate the two cores (vLLM's CPU servers and training
+# each take every core), so the lane's time is its total work: 2,362 s here on 2026-12-02; a test
+# moved to the other worker gained nothing, less work did.
+test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lane, fault injection (~40 min)
+	@$(call timed,$(PY) -m pytest -q $(XDIST) -m "e2e or vllm or faults",slow lanes)
 
 test: setup lint test-fast test-slow  ## Everything CI runs: lint, fast tests, then the slow lanes
 

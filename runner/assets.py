@@ -94,8 +94,13 @@ def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
 
 
 def load_prompt_sets(eval_cfg: EvalConfig) -> dict[str, list[str]]:
-    """Every set of `eval.prompts`, by its name, each cut to eval.num_prompts."""
-    return {prompt_set_name(s): load_prompts(s, eval_cfg.num_prompts) for s in eval_cfg.prompts}
+    """Every packaged or file set of `eval.prompts`, by its name, each cut to eval.num_prompts.
+    Not `heldout`: it comes from the training data, and the evaluate stage chooses it."""
+    return {
+        prompt_set_name(s): load_prompts(s, eval_cfg.num_prompts)
+        for s in eval_cfg.prompts
+        if s != "heldout"
+    }
 
 
 def _local_prompts(path: Path, name: str) -> list[str]:

@@ -29,6 +29,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from runner import nodes
 from runner.assets import resolve_model
 from runner.checks import check_config, check_target
 from runner.console import counted, library_note, quiet_libraries
@@ -167,7 +168,8 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         target = resolve_target(cfg, output_root)  # config files only; no weights
         check_target(cfg, target, stages)
         store = ArtifactStore(output_root)
-        if not cfg.run.plan_only:
+        follower = nodes.is_follower(cfg)  # a node after the first only joins the training
+        if not cfg.run.plan_only and not follower:
             store.remove_dead_temps()
         pipeline = Pipeline(
             cfg, target.facts, store, stages, rerun_command=rerun_command(), layout=layout
@@ -180,6 +182,9 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         plan.raise_first_error()
         if cfg.run.plan_only:
             return JobResult(plan=plan, target=target)
+        if follower:
+            nodes.follow(cfg, planned, store)
+            return JobResult(plan=plan, target=target, seconds=time.time() - t_start)
         pipeline.refuse_damaged(planned)
         resolve_model(cfg.model, output_root)  # converts a packaged GGUF once
         tracker = Tracker(cfg.tracking, output_root)

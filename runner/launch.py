@@ -44,15 +44,17 @@ def run_ranks(
     stop_timeout_s: float,
     env: dict[str, str] | None = None,
     echo: Any = None,
+    rendezvous: list[str] | None = None,
 ) -> tuple[int | None, str | None, str]:
-    """Run `module` on `ranks` local ranks; returns (torchrun's exit code or None when it was
-    killed after the stop timeout, the name of the stop signal that came or None, the log's
-    tail)."""
+    """Run `module` on `ranks` local ranks (with `rendezvous`, torchrun's arguments for this
+    node's share of a job on several nodes: runner/nodes.py); returns (torchrun's exit code or
+    None when it was killed after the stop timeout, the name of the stop signal that came or
+    None, the log's tail)."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *(rendezvous or ["--standalone"]),
         f"--nproc_per_node={ranks}",
         "-m",
         module,

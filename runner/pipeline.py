@@ -335,6 +335,14 @@ class Pipeline:
             "versions": versions(dict(stage.libraries)),
             "stage_version": stage.version,
             "model": self.facts.as_dict(),
+            # Where it ran: the plan's cost estimates take rates from finished runs of the same
+            # hardware (runner/costs.py). Not in the key: the result is the same elsewhere.
+            "hardware": {
+                "name": self.cfg.hardware.name,
+                "gpu_kind": self.cfg.hardware.gpu_kind,
+                "num_gpus": self.cfg.hardware.num_gpus,
+                "num_nodes": self.cfg.hardware.num_nodes,
+            },
             "metrics": {},
         }
         scratch = self.store.scratch(p.name, p.key)

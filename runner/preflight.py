@@ -19,7 +19,7 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 
-from runner import endpoint
+from runner import costs, endpoint
 from runner.integrations.vllm import (
     MIN_VLLM,
     MIN_VLLM_DEFAULT,
@@ -219,12 +219,31 @@ def _endpoint_lines(
             "extraction and a draft; run them in separate invocations (run.stages=[...])",
         )
         return
-    need = next(iter(needs.values()))
+    _check_endpoint(
+        plan, cfg, target, url, "hardware.vllm.endpoint", next(iter(needs.values())), list(kinds)
+    )
+
+
+def _check_endpoint(
+    plan: Plan,
+    cfg: RunnerConfig,
+    target: Target,
+    url: str,
+    key: str,
+    need: ServerNeed,
+    users: list[str],
+    down_is_error: bool = True,
+) -> bool:
+    """Ask the server at `url` (the setting `key`) whether it is the one `need` asks for; its
+    problems go to the plan. Returns whether it answered."""
     info = endpoint.inspect(url, timeout=float(cfg.tracking.connect_timeout_s))
     if isinstance(info, str):
-        plan.error("hardware.vllm.endpoint", f"{url} {info}")
-        return
-    plan.add("vLLM", f"existing server {endpoint.describe(info)}; used by {', '.join(kinds)}")
+        if down_is_error:
+            plan.error(key, f"{url} {info}")
+        else:
+            plan.warn(key, f"{url} {info}: left out unless it answers when the stage starts")
+        return False
+    plan.add("vLLM", f"existing server {endpoint.describe(info)}; used by {', '.join(users)}")
     found = endpoint.problems(
         info,
         endpoint.EXTRACTION if need.kind == EXTRACTION else endpoint.DRAFT,
@@ -234,10 +253,40 @@ def _endpoint_lines(
         dtype=cfg.hardware.dtype,
         k=need.k,
     )
-    for level, key, message in found:
-        (plan.error if level == "error" else plan.warn)(key, message)
+    for level, k, message in found:
+        (plan.error if level == "error" else plan.warn)(k, message)
     for note in info.notes:
-        plan.warn("hardware.vllm.endpoint", note)
+        plan.warn(key, note)
+    return True
+
+
+def _endpoints_lines(
+    plan: Plan, cfg: RunnerConfig, target: Target, needs: dict[str, ServerNeed]
+) -> None:
+    """hardware.vllm.endpoints: servers that already run, for offline extraction. Each is asked
+    now; one that does not answer is only a warning (the others take its rows), none is an
+    error."""
+    urls = cfg.hardware.vllm.endpoints
+    if not needs:
+        plan.add(
+            "vLLM", f"{len(urls)} servers (hardware.vllm.endpoints): no stage of this run uses them"
+        )
+        return
+    need = next(iter(needs.values()))
+    up = [
+        _check_endpoint(
+            plan, cfg, target, url, f"hardware.vllm.endpoints[{k}]", need, list(needs), False
+        )
+        for k, url in enumerate(urls)
+    ]
+    if not any(up):
+        plan.error("hardware.vllm.endpoints", f"none of the {len(urls)} servers answers")
+    else:
+        plan.add(
+            "vLLM",
+            f"extraction shares its rows among {sum(up)} of {len(urls)} servers "
+            "(hardware.vllm.endpoints); one that stops answering is left out",
+        )
 
 
 # Filesystems that one machine alone sees: a store there is not shared by a cluster's nodes.
@@ -324,9 +373,16 @@ def build_plan(
         # A generating stage (regenerate) always starts a server of its own: the endpoint
         # serves the rest.
         _endpoint_lines(plan, cfg, target, {n: x for n, x in needs.items() if x.kind != GENERATE})
+    elif cfg.hardware.vllm.endpoints:
+        # Only offline extraction goes through several; the other stages start their own.
+        _endpoints_lines(
+            plan, cfg, target, {n: x for n, x in needs.items() if x.kind == EXTRACTION}
+        )
+        _engine_lines(plan, cfg, target, {n: x for n, x in needs.items() if x.kind != EXTRACTION})
     else:
         _engine_lines(plan, cfg, target, needs)
     _engine_limits(plan, cfg, target, needs)
+    costs.total_lines(plan, cfg)
     plan.add("environment", ", ".join(f"{k}={v}" for k, v in cfg.hardware.env.items()) or "(none)")
     _launcher_lines(plan, layout.root)
     _gpu_lines(plan, cfg, any(p.action == "run" for p in planned))

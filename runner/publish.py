@@ -178,6 +178,15 @@ def card_datasets(params: dict[str, str]) -> list[str]:
     return found
 
 
+def draft_attention(draft_config: dict[str, Any]) -> str:
+    """Each draft layer's attention as the draft's config gives it to vLLM."""
+    layer = draft_config.get("transformer_layer_config", {})
+    types = layer.get("layer_types") or ["full_attention"] * int(layer.get("num_hidden_layers", 1))
+    window = layer.get("sliding_window")
+    words = {"sliding_attention": f"sliding window of {window} tokens", "full_attention": "full"}
+    return ", ".join(f"layer {i}: {words.get(t, t)}" for i, t in enumerate(types))
+
+
 def model_card(
     run: Any,
     draft_config: dict[str, Any],
@@ -241,6 +250,7 @@ def model_card(
             f"| draft vocabulary | {vocab} target tokens |",
             f"| data | {data} ({p.get('data.name')}), {rows} |",
             f"| training | {recipe} |",
+            f"| draft attention | {draft_attention(draft_config)} |",
             f"| license | {lic or 'not known: set model.license or pass --license'} |",
         ]
     )

@@ -276,8 +276,18 @@ class VllmLaunchConfig:
     # use it instead of starting one; the plan checks through its API that it serves this
     # target, set up as the stage needs (runner/endpoint.py).
     endpoint: str | None = None
+    # Offline extraction (extract=vllm) through several servers that already run, e.g. one per
+    # box: each checked in the plan as `endpoint` is, rows shared through one queue, a server
+    # that stops answering left out and its rows done by the others (runner/server_pool.py).
+    # Other stages do not use them (online training and evaluation talk to one server).
+    endpoints: list[str] = field(default_factory=list)
+    # Offline extraction and regeneration through this many servers started side by side on
+    # this box, each on its own tensor_parallel_size GPUs (data_parallel x tensor_parallel_size
+    # <= num_gpus): e.g. 4 on an 8-GPU box for a target that fits TP 2.
+    data_parallel: int = 1
 
     def check(self) -> None:
+        _at_least("hardware.vllm.data_parallel", self.data_parallel, 1)
         _at_least("hardware.vllm.ready_timeout_s", self.ready_timeout_s, 1)
         _at_least("hardware.vllm.stop_timeout_s", self.stop_timeout_s, 1)
         if self.command:
@@ -289,19 +299,36 @@ class VllmLaunchConfig:
                     "container command) that runs vLLM, or [] for this environment's",
                 )
         if self.endpoint is not None:
-            try:  # a port out of range, not a number or a malformed IPv6 host raise here
-                url = urllib.parse.urlsplit(self.endpoint)
-                port, host = url.port, url.hostname
-            except ValueError as exc:
-                raise ConfigError(
-                    "hardware.vllm.endpoint", f"{self.endpoint!r} is not a valid URL ({exc})"
-                ) from None
-            if url.scheme not in ("http", "https") or not host or port is None:
-                raise ConfigError(
-                    "hardware.vllm.endpoint",
-                    f"{self.endpoint!r} is not http://host:port (the server's address, without "
-                    "/v1)",
-                )
+            _check_url("hardware.vllm.endpoint", self.endpoint)
+        for k, url in enumerate(self.endpoints):
+            _check_url(f"hardware.vllm.endpoints[{k}]", url)
+        if len(set(self.endpoints)) != len(self.endpoints):
+            raise ConfigError("hardware.vllm.endpoints", "names a server twice")
+        if self.endpoints and self.endpoint:
+            raise ConfigError(
+                "hardware.vllm.endpoints",
+                "is set together with hardware.vllm.endpoint; give one server as endpoint, or "
+                "several (extraction only) as endpoints",
+            )
+        if self.data_parallel > 1 and (self.endpoint or self.endpoints):
+            raise ConfigError(
+                "hardware.vllm.data_parallel",
+                f"{self.data_parallel} servers would be started, but hardware.vllm.endpoint(s) "
+                "names servers that already run; set one of the two",
+            )
+
+
+def _check_url(key: str, endpoint: str) -> None:
+    """http(s)://host:port, nothing else: the server's address, without /v1."""
+    try:  # a port out of range, not a number or a malformed IPv6 host raise here
+        url = urllib.parse.urlsplit(endpoint)
+        port, host = url.port, url.hostname
+    except ValueError as exc:
+        raise ConfigError(key, f"{endpoint!r} is not a valid URL ({exc})") from None
+    if url.scheme not in ("http", "https") or not host or port is None:
+        raise ConfigError(
+            key, f"{endpoint!r} is not http://host:port (the server's address, without /v1)"
+        )
 
 
 @dataclass
@@ -322,6 +349,20 @@ class HardwareConfig:
     vllm_kv_cache_gib: float | None = None
     # Memory of one GPU, for the weights-per-GPU check (null = not checked).
     gpu_memory_gib: float | None = None
+    # The GPU model ("H200", "RTX PRO 6000"), for the plan's time and GPU-hour estimates from
+    # measured rates (runner/rates.yaml); null = no estimates.
+    gpu_kind: str | None = None
+    # Boxes of this hardware the run uses: training runs num_nodes x num_gpus ranks (torchrun
+    # with a c10d rendezvous; under Slurm one task per node), and the plan's costs count them.
+    num_nodes: int = 1
+    # This node's place among them (0 runs the pipeline; the others join its training). null =
+    # the task's rank under submitit (one task per node), else 0.
+    node_rank: int | None = None
+    # host:port where the nodes' torchrun agents meet (c10d); null = the first node of the
+    # Slurm allocation, port 29400.
+    rdzv_endpoint: str | None = None
+    # Seconds a node after the first waits for the first to start training (it extracts first).
+    node_wait_s: int = 172800
     # Shown in the plan (PCIe-only boxes all-reduce through NCCL).
     interconnect: Interconnect = Interconnect.none
     # Planned extraction throughput (prefill tokens/s of the whole box), for the plan's write
@@ -334,6 +375,22 @@ class HardwareConfig:
 
     def check(self) -> None:
         _at_least("hardware.num_gpus", self.num_gpus, 0)
+        _at_least("hardware.num_nodes", self.num_nodes, 1)
+        _at_least("hardware.node_wait_s", self.node_wait_s, 1)
+        if self.node_rank is not None and not 0 <= self.node_rank < self.num_nodes:
+            raise ConfigError(
+                "hardware.node_rank",
+                f"{self.node_rank} is not a node of hardware.num_nodes={self.num_nodes} "
+                f"(0 .. {self.num_nodes - 1})",
+            )
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(
+                    "hardware.rdzv_endpoint",
+                    f"{self.rdzv_endpoint!r} is not host:port (where the nodes' torchrun agents "
+                    "meet, e.g. node0:29400)",
+                )
         if self.extract_tokens_per_s is not None:
             _at_least("hardware.extract_tokens_per_s", self.extract_tokens_per_s, 1)
         if self.device == Device.cuda and self.num_gpus < 1:
@@ -347,6 +404,14 @@ class HardwareConfig:
             raise ConfigError(
                 "hardware.tensor_parallel_size",
                 f"{self.tensor_parallel_size} exceeds hardware.num_gpus={self.num_gpus}",
+            )
+        servers = self.vllm.data_parallel * self.tensor_parallel_size
+        if self.device == "cuda" and servers > self.num_gpus:
+            raise ConfigError(
+                "hardware.vllm.data_parallel",
+                f"{self.vllm.data_parallel} servers of tensor_parallel_size "
+                f"{self.tensor_parallel_size} need {servers} GPUs; hardware.num_gpus is "
+                f"{self.num_gpus}",
             )
         if self.device == "cpu" and self.tensor_parallel_size != 1:
             raise ConfigError(
@@ -617,12 +682,27 @@ class TrainConfig:
     # served acceptance against tokens trained and keep the best epoch (EAGLE-3 can degrade with
     # more epochs). One draft's size per epoch.
     keep_epoch_drafts: bool = False
+    # The draft layers' attention, as speculators builds it and vLLM serves it: each layer sees
+    # the last `sliding_window` tokens (speculators' default, 2048), except the draft layers
+    # (0-based) in full_attention_layers, which see the whole context. Equal for contexts within
+    # the window; beyond it speculators measured full attention ahead at 2k-8k tokens and the
+    # window ahead at 20k (its PR #684).
+    sliding_window: int = 2048
+    full_attention_layers: list[int] = field(default_factory=list)
     # Any further speculators train flag, e.g. {norm_before_fc: true}.
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        for key in ("num_layers", "ttt_steps", "epochs", "log_freq"):
+        for key in ("num_layers", "ttt_steps", "epochs", "log_freq", "sliding_window"):
             _at_least(f"train.{key}", getattr(self, key), 1)
+        full = list(self.full_attention_layers)
+        bad = [i for i in full if not 0 <= i < self.num_layers]
+        if bad or len(set(full)) != len(full):
+            raise ConfigError(
+                "train.full_attention_layers",
+                f"{full}: each must be a draft layer index in [0, {self.num_layers}) "
+                f"(train.num_layers={self.num_layers}), each once",
+            )
         if self.max_steps is not None:
             _at_least("train.max_steps", self.max_steps, 1)
         if self.total_seq_len is not None:
@@ -831,6 +911,20 @@ class RunnerConfig:
                 "train.total_seq_len",
                 f"{t.total_seq_len} is below data.max_seq_len={d.max_seq_len}; "
                 "a sample would not fit a batch",
+            )
+        if hw.num_nodes > 1 and self.extract.mode == ExtractMode.online:
+            raise ConfigError(
+                "hardware.num_nodes",
+                "online training on several nodes is not supported (the states come from one "
+                "server on the first node); extract offline (extract.mode=offline), then train",
+            )
+        several = hw.vllm.endpoints or hw.vllm.data_parallel > 1
+        if several and self.extract.mode == ExtractMode.online:
+            raise ConfigError(
+                "hardware.vllm.endpoints" if hw.vllm.endpoints else "hardware.vllm.data_parallel",
+                "online training fetches its states from one server (speculators' "
+                "--vllm-endpoint); use hardware.vllm.endpoint, or extract.mode=offline to extract "
+                "through several",
             )
         if hw.device == "cpu" and t.loss_implementation == "fused":
             raise ConfigError(

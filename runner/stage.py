@@ -54,9 +54,26 @@ class Plan:
     lines: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     numbers: dict[str, Any] = field(default_factory=dict)
+    # What each GPU stage will cost (runner/costs.py): (now, with one more box).
+    costs: list[tuple[Any, Any]] = field(default_factory=list)
 
     def add(self, label: str, value: str) -> None:
         self.lines.append(f"  {label:<26} {value}")
+
+    def add_cost(self, stage: str, now: Any, more: Any) -> None:
+        """A stage's estimate (a runner.costs.Cost), now and with hardware.num_nodes + 1: its
+        line here, the total and the next box's line at the end of the plan."""
+        from runner.costs import fmt_hours
+
+        self.costs.append((now, more))
+        self.add(
+            f"cost: {stage}",
+            f"~{fmt_hours(now.wall_s)}, {now.gpu_hours:,.1f} GPU-h"
+            f"{' (estimate)' if now.estimate else ''}: {now.basis}",
+        )
+        self.numbers[f"cost.{stage}.hours"] = now.wall_s / 3600
+        self.numbers[f"cost.{stage}.gpu_hours"] = now.gpu_hours
+        self.numbers[f"cost.plus_one_box.{stage}.hours"] = more.wall_s / 3600
 
     def error(self, key: str, message: str) -> None:
         self.problems.append(Problem("error", key, message))

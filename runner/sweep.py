@@ -40,6 +40,7 @@ from runner import shared_servers
 from runner.errors import ConfigError
 from runner.interrupts import between_jobs, held_back
 from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, PLOTTED_TAG, SERIES_TAG
+from runner.recipes import NOISE, mark_noise, recipes
 from runner.store import writable_root
 from runner.tracking import Tracker, check_store, process_tags, tracking_uri, ui_command
 
@@ -161,14 +162,14 @@ class SweepCallback(Callback):
         client = mlflow.MlflowClient(uri)
         rows = comparison_rows(client, parent)
         failed = [r["run_id"] for r in rows if r["status"] != "FINISHED"]
+        declared_ = declared(children_tags(client, parent))
         log_comparison(
-            client,
-            parent,
-            rows,
-            swept_keys(client.get_run(parent).data.tags),
-            declared(children_tags(client, parent)),
+            client, parent, rows, swept_keys(client.get_run(parent).data.tags), declared_
         )
         print(render_table(rows))
+        by_recipe = recipes(rows, swept_keys(client.get_run(parent).data.tags), declared_[0])
+        if by_recipe:
+            print("recipes over their seeds:\n" + render_table(by_recipe))
         client.set_terminated(parent, status="FAILED" if failed else "FINISHED")
         ui = ui_command(uri, client.get_run(parent).info.experiment_id, parent)
         print(f"sweep parent run {parent} (its children are the jobs; compare them there): {ui}")
@@ -187,7 +188,13 @@ def comparison_rows(client: Any, parent_id: str) -> list[dict[str, Any]]:
         max_results=1000,
     )
     swept = swept_keys(parent.data.tags)
-    return _same_columns([run_row(child, swept) for child in children])
+    rows = _same_columns([run_row(child, swept) for child in children])
+    objective = next(
+        (t[OBJECTIVE_TAG] for t in (dict(c.data.tags) for c in children) if t.get(OBJECTIVE_TAG)),
+        None,
+    )
+    mark_noise(rows, objective)
+    return rows
 
 
 def children_tags(client: Any, parent_id: str) -> list[dict[str, str]]:
@@ -302,7 +309,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         return " | ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True))
 
     out = [line(cols), "-+-".join("-" * w for w in widths), *(line(r) for r in cells)]
-    if len(rows) == 1:
+    if len(rows) == 1 or "job_s" not in rows[0]:
         return "\n".join(out)
     total_job = sum(r["job_s"] for r in rows)
     total_alone = sum(r["alone_s"] for r in rows)
@@ -321,10 +328,14 @@ def log_comparison(
 ) -> None:
     objective, plotted, series = declared
     metric = next((c for c in plotted if any(r.get(c) is not None for r in rows)), None)
+    by_recipe = recipes(rows, swept or [], objective)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (d / "comparison.json").write_text(json.dumps(rows, indent=1, default=str))
         (d / "comparison.md").write_text(markdown_table(rows) + "\n")
+        if by_recipe:  # seeds swept: each recipe's mean over its seeds, with its interval
+            (d / "recipes.json").write_text(json.dumps(by_recipe, indent=1, default=str))
+            (d / "recipes.md").write_text(markdown_table(by_recipe) + "\n")
         if rows:
             with open(d / "comparison.csv", "w", newline="") as fh:
                 w = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -344,7 +355,9 @@ def log_comparison(
             client.log_param(parent_id, f"swept.{key}", values[:500])
     # What the sweep was, at the top of the parent's page in the MLflow UI.
     client.set_tag(
-        parent_id, "mlflow.note.content", sweep_description(rows, swept or [], objective, top)
+        parent_id,
+        "mlflow.note.content",
+        sweep_description(rows, swept or [], objective, top, by_recipe),
     )
     client.log_metric(parent_id, "jobs", len(rows))
     client.log_metric(parent_id, "sweep_time_s", sum(r["job_s"] for r in rows))
@@ -356,8 +369,10 @@ def sweep_description(
     swept: list[str],
     objective: str | None,
     top: dict[str, Any] | None,
+    by_recipe: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Markdown: what was swept over which values, the best job by the objective, the table."""
+    """Markdown: what was swept over which values, the best job by the objective (and which
+    jobs are within its noise), each recipe over its seeds, the table."""
     done = sum(1 for r in rows if r.get("status") == "FINISHED")
     lines = [f"**Sweep of {len(rows)} jobs** ({done} finished)."]
     for key in swept:
@@ -369,8 +384,16 @@ def sweep_description(
         lines.append(
             f"\n**Best by {objective}: {_cell(top[objective])}** ({chosen}; run {top['run_id']})."
         )
+        close = [r["job"] for r in rows if r.get("vs_best") == NOISE]
+        if close:
+            lines.append(
+                f"Within its noise (95% intervals overlap): job(s) {', '.join(map(str, close))}."
+            )
     else:
         lines.append("\nNo job measured an objective (no evaluation), so none is ranked best.")
+    if by_recipe:
+        lines += ["", "**Recipes over their seeds** (mean, sd, 95% interval of the mean):", ""]
+        lines.append(markdown_table(by_recipe))
     return "\n".join([*lines, "", markdown_table(rows)])
 
 

@@ -133,7 +133,7 @@ class _ServerApi:
     label: str
     log_path: Path | str
 
-    def check_alive(self) -> None:
+    def check_alive(self, settle_s: float = 0.0) -> None:
         raise NotImplementedError
 
     def _get(self, path: str, timeout: float) -> str | None:
@@ -142,6 +142,10 @@ class _ServerApi:
                 return r.read().decode() if r.status == 200 else None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return None
+
+    def healthy(self) -> bool:
+        """Whether it answers /health now."""
+        return self._get("/health", timeout=10) is not None
 
     def metrics_text(self) -> str:
         text = self._get("/metrics", timeout=30)
@@ -189,7 +193,7 @@ class ExistingServer(_ServerApi):
     def __exit__(self, *exc: Any) -> None:
         return None
 
-    def check_alive(self) -> None:
+    def check_alive(self, settle_s: float = 0.0) -> None:
         if self._get("/health", timeout=10) is None:
             raise ServerError(
                 f"the vLLM server at {self.base} (hardware.vllm.endpoint) does not answer "
@@ -306,9 +310,13 @@ class VllmServer(_ServerApi):
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Launch it and return at once (wait_ready() waits): several start side by side."""
+        self._proc.start()
+
     def __enter__(self) -> VllmServer:
         try:
-            self._proc.start()
+            self.start()
             self.wait_ready()
         except BaseException:
             self.stop()
@@ -354,8 +362,13 @@ class VllmServer(_ServerApi):
         self._ready.set()
         log.info("[%s] vLLM ready in %.1f s at %s", self.label, self.start_s, self.url)
 
-    def check_alive(self) -> None:
-        """Raise ServerError (with the log's tail) if the server process has exited."""
+    def check_alive(self, settle_s: float = 0.0) -> None:
+        """Raise ServerError (with the log's tail) if the server process has exited, waiting up
+        to `settle_s` for it to: an API server whose engine died exits on its own, a moment
+        later on a busy machine."""
+        deadline = time.time() + settle_s
+        while self._proc.exited() is None and time.time() < deadline and not self.healthy():
+            time.sleep(0.5)
         code = self._proc.exited()
         if code is not None:
             raise ServerError(
@@ -414,6 +427,26 @@ def spec_decode_counters(text: str) -> dict[str, Any]:
                 per_pos[pos] = per_pos.get(pos, 0) + int(s.value)
     out["accepted_per_pos"] = [per_pos[i] for i in sorted(per_pos)]
     return out
+
+
+def request_counters(response: Any) -> dict[str, Any] | None:
+    """One request's speculative-decoding counters, in spec_decode_counters' shape, from the
+    response's `metrics.speculative_decoding` (servers started with
+    --per-request-spec-decode-metrics); None when the response has none. Its histogram counts
+    verify steps by accepted draft tokens j, so position i was accepted in the steps with j > i."""
+    metrics = getattr(response, "metrics", None)
+    if metrics is None and isinstance(getattr(response, "model_extra", None), dict):
+        metrics = response.model_extra.get("metrics")
+    spec = (metrics or {}).get("speculative_decoding") if isinstance(metrics, dict) else None
+    if not spec or "acceptance_histogram" not in spec:
+        return None
+    hist = [int(c) for c in spec["acceptance_histogram"]]
+    return {
+        "drafts": sum(hist),
+        "draft_tokens": int(spec.get("num_draft_tokens", 0)),
+        "accepted": sum(j * c for j, c in enumerate(hist)),
+        "accepted_per_pos": [sum(hist[i + 1 :]) for i in range(len(hist) - 1)],
+    }
 
 
 def counters_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ last turn is written, and a rerun after a failure or Ctrl-C generates only the o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -202,11 +203,21 @@ class TransformersGenerator:
         return [gen[row, width:].tolist() for row in range(len(prompts))]
 
     def _continuous(self, prompts: list[list[int]], max_new: int) -> list[Any]:
-        from transformers import GenerationConfig
+        from transformers import ContinuousBatchingConfig, GenerationConfig
 
+        # The paged cache sized to what this batch can fill, every answer at its longest: left to
+        # itself transformers takes 90% of the free device memory, and on a CPU that is the
+        # machine's RAM (20 GiB for a 4-layer test model, and the OOM killer).
+        page = 256
+        blocks = len(prompts) * -(-(max(map(len, prompts)) + max_new) // page)
+        batching = ContinuousBatchingConfig(
+            page_size=page, num_blocks=blocks, max_requests_per_batch=len(prompts)
+        )
         # Not under inference_mode: the batcher's own thread updates tensors made here.
         results = self.model.generate_batch(
-            inputs=prompts, generation_config=GenerationConfig(**self._settings(max_new))
+            inputs=prompts,
+            generation_config=GenerationConfig(**self._settings(max_new)),
+            continuous_batching_config=batching,
         )
         # Results come keyed by request id, in the order the prompts were added.
         made = list(results.values())
@@ -226,19 +237,22 @@ class TransformersGenerator:
 
 
 class VllmGenerator:
-    """Chat completions on a vLLM server the runner starts, `concurrency` requests in flight."""
+    """Chat completions on the vLLM servers the runner starts (hardware.vllm.data_parallel of
+    them, each on its own GPUs), `concurrency` requests in flight on each: a request takes a
+    free slot of any server, so a faster server answers more."""
 
     def __init__(self, cfg: RunnerConfig, facts: ModelFacts, tok: Any, logs: Path):
-        from runner.vllm_server import VllmServer, engine_args
+        from runner.server_pool import serve_pool
+        from runner.vllm_server import engine_args
 
         self.cfg = cfg
         self.tok = tok
         self.eos = _end_ids(tok, None)
         args = engine_args(cfg, cfg.data.max_seq_len)
-        self.server = VllmServer.from_config(
-            cfg, facts.path, args, logs / "vllm_regenerate.log", label="regenerate"
+        self._stack = contextlib.ExitStack()
+        self.servers = self._stack.enter_context(
+            serve_pool(cfg, facts.path, lambda _k: args, logs, "regenerate", existing=False)
         )
-        self.server.__enter__()
 
     def generate(self, prompts: list[list[int]], limits: list[int]) -> list[Generated | Exception]:
         from runner.vllm_server import quiet_http_logs
@@ -250,42 +264,54 @@ class VllmGenerator:
         import openai
 
         r = self.cfg.regenerate
-        gate = asyncio.Semaphore(r.concurrency)
-        server = self.server
-        async with openai.AsyncOpenAI(
-            base_url=server.url, api_key="EMPTY", max_retries=2, timeout=r.request_timeout_s
-        ) as client:
+        slots: asyncio.Queue[int] = asyncio.Queue()
+        for _ in range(r.concurrency):
+            for k in range(len(self.servers)):
+                slots.put_nowait(k)
+        clients = [
+            openai.AsyncOpenAI(
+                base_url=s.url, api_key="EMPTY", max_retries=2, timeout=r.request_timeout_s
+            )
+            for s in self.servers
+        ]
 
-            async def one(prompt: list[int], limit: int) -> Generated | Exception:
-                # The prompt goes as token ids (the chat template already applied, exactly as
-                # prepare will render it), through the completions API.
-                async with gate:
-                    try:
-                        resp = await client.completions.create(
-                            model=server.model_id,
-                            prompt=prompt,
-                            max_tokens=limit,
-                            temperature=r.temperature,
-                            top_p=r.top_p,
-                            seed=r.seed,
-                            extra_body={"return_token_ids": True, "skip_special_tokens": True},
-                        )
-                    except Exception as exc:
-                        server.check_alive()
-                        return exc
-                choice = resp.choices[0]
-                ids = list(getattr(choice, "token_ids", None) or [])
-                if not ids and choice.text:
-                    return RuntimeError("vLLM returned no token ids (return_token_ids)")
-                if ids and ids[-1] in self.eos:
-                    ids = ids[:-1]
-                reason = "length" if choice.finish_reason == "length" else "stop"
-                return Generated(ids, choice.text, reason)
+        async def one(prompt: list[int], limit: int) -> Generated | Exception:
+            # The prompt goes as token ids (the chat template already applied, exactly as
+            # prepare will render it), through the completions API.
+            k = await slots.get()
+            server = self.servers[k]
+            try:
+                resp = await clients[k].completions.create(
+                    model=server.model_id,
+                    prompt=prompt,
+                    max_tokens=limit,
+                    temperature=r.temperature,
+                    top_p=r.top_p,
+                    seed=r.seed,
+                    extra_body={"return_token_ids": True, "skip_special_tokens": True},
+                )
+            except Exception as exc:
+                server.check_alive()
+                return exc
+            finally:
+                slots.put_nowait(k)
+            choice = resp.choices[0]
+            ids = list(getattr(choice, "token_ids", None) or [])
+            if not ids and choice.text:
+                return RuntimeError("vLLM returned no token ids (return_token_ids)")
+            if ids and ids[-1] in self.eos:
+                ids = ids[:-1]
+            reason = "length" if choice.finish_reason == "length" else "stop"
+            return Generated(ids, choice.text, reason)
 
+        try:
             return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, limits, strict=True)))
+        finally:
+            for c in clients:
+                await c.close()
 
     def close(self) -> None:
-        self.server.stop()
+        self._stack.close()
 
 
 def _end_ids(tok: Any, model: Any) -> set[int]:

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -31,6 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from runner import costs, nodes
+from runner.draft_check import Expected, check_draft
 from runner.draft_estimate import draft_params, plan_memory
 from runner.errors import StageError
 from runner.integrations import SLOT_BACKEND
@@ -40,6 +43,7 @@ from runner.integrations.speculators import (
     TRAINING_STATE,
     Refused,
     best_checkpoint,
+    best_val,
     chain_requeue,
     command_line,
     epoch_dirs,
@@ -49,6 +53,7 @@ from runner.integrations.speculators import (
     resolve_train_config,
     run_training,
     summarise,
+    validate_export,
 )
 from runner.integrations.speculators_settings import setting_key, speculators_settings
 from runner.interrupts import Interrupted
@@ -80,13 +85,17 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     t = dataclasses.asdict(cfg.train)
     if not t["keep_epoch_drafts"]:
         del t["keep_epoch_drafts"]  # named only when on: keys made before it stay valid
+    if t["sliding_window"] == 2048 and not t["full_attention_layers"]:
+        # speculators' own default, which every draft trained before these settings has.
+        del t["sliding_window"], t["full_attention_layers"]
     # The draft vocab moved to the vocab section; the key reads it where it always stood.
     t["draft_vocab_size"] = cfg.vocab.draft_vocab_size
     return {
         **{k: v for k, v in t.items() if k not in _NOT_IN_KEY},
         "aux_layers": list(facts.aux_layers),
         "device": cfg.hardware.device,
-        "ranks": cfg.train_ranks(),
+        # Every rank of every node: the batches each sees depend on the world size.
+        "ranks": cfg.train_ranks() * cfg.hardware.num_nodes,
     }
 
 
@@ -97,35 +106,58 @@ def _read_json(path: Path, default: Any) -> Any:
         return default
 
 
-def _torchrun(ctx: StageContext, settings: dict[str, Any], ranks: int) -> dict[str, Any]:
-    """speculators' trainer on `ranks` ranks under torchrun (runner/launch.py); returns the
-    outcome rank 0 wrote."""
+def _torchrun(
+    ctx: StageContext, settings: dict[str, Any], ranks: int, attempt: int
+) -> dict[str, Any]:
+    """speculators' trainer on `ranks` ranks under torchrun (runner/launch.py), on this node or,
+    with hardware.num_nodes > 1, on every node through a c10d rendezvous that the other nodes
+    join (runner/nodes.py); returns the outcome rank 0 wrote."""
     work = ctx.scratch
-    request = work / "request.json"
     slots = list(ctx.facts.train_slots)
     device = ctx.cfg.hardware.device
-    request.write_text(
-        json.dumps(dict(settings=settings, slots=slots, work=str(work), device=device))
-    )
     env = {}
     if ctx.tracker is not None and ctx.tracker.run_id:
         # Rank 0's speculators logger attaches to the runner's run.
         env.update(MLFLOW_RUN_ID=ctx.tracker.run_id, MLFLOW_TRACKING_URI=ctx.tracker.uri)
-    code, _stopped_by, tail = run_ranks(
-        "runner.integrations.speculators_worker",
-        request,
-        ranks,
-        work / "logs" / "train.log",
-        label="train",
-        stop_timeout_s=ctx.cfg.train.stop_timeout_s,
-        env=env,
-        echo=lambda line: "speculators.metrics" not in line,
-    )
+    body = dict(settings=settings, slots=slots, work=str(work), device=device, env=env)
+    nnodes = ctx.cfg.hardware.num_nodes
+    rdzv = None
+    if nnodes > 1:
+        # A new id each attempt: a node never rejoins the rendezvous of one that failed.
+        rdzv = nodes.rendezvous(ctx.cfg, f"{work.name}-{attempt}")
+        request = nodes.open_request(work, body, rdzv, attempt)
+        log.info(
+            "[train] %d nodes x %d ranks, rendezvous at %s (hardware.rdzv_endpoint); the other "
+            "nodes join from %s",
+            nnodes,
+            ranks,
+            rdzv.endpoint,
+            request,
+        )
+    else:
+        request = work / nodes.REQUEST
+        request.write_text(json.dumps(body))
+    try:
+        code, _stopped_by, tail = run_ranks(
+            "runner.integrations.speculators_worker",
+            request,
+            ranks,
+            work / "logs" / "train.log",
+            label="train",
+            stop_timeout_s=ctx.cfg.train.stop_timeout_s,
+            env=env,
+            echo=lambda line: "speculators.metrics" not in line,
+            rendezvous=rdzv.torchrun_args() if rdzv else None,
+        )
+    finally:
+        if rdzv is not None:
+            nodes.close_request(work)
     outcome = _read_json(work / "outcome.json", None)
     if outcome is None or (code != 0 and outcome.get("status") != "stopped"):
+        where = f" on {nnodes} nodes" if nnodes > 1 else ""
         raise StageError(
-            f"training on {ranks} ranks failed (torchrun exit {code}); {tail}\n"
-            f"{resume_hint(work, ctx.rerun_command)}"
+            f"training on {ranks * nnodes} ranks{where} failed (torchrun exit {code}); {tail}\n"
+            f"{resume_hint(work, ctx.rerun_command)}" + (" (on every node)" if nnodes > 1 else "")
         )
     return outcome
 
@@ -182,14 +214,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
         t0 = time.time()
         # Online, every fetched sample is an HTTP request that its client logs at INFO.
         with quiet_http_logs() if online else contextlib.nullcontext():
-            if ranks == 1:
+            if ranks == 1 and ctx.cfg.hardware.num_nodes == 1:
                 state = run_training(
                     settings, ctx.facts.train_slots, work, device=ctx.cfg.hardware.device
                 )
                 outcome = _read_json(work / "outcome.json", {})
                 chain_requeue(state)
             else:
-                outcome = _torchrun(ctx, settings, ranks)
+                outcome = _torchrun(ctx, settings, ranks, history["attempts"])
         train_s = time.time() - t0
     if outcome.get("status") != "finished":
         name = outcome.get("signal") or "SIGTERM"  # None: another rank was signalled
@@ -205,6 +237,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             fh.write(json.dumps(r) + "\n")
     ckpt = best_checkpoint(save_path)
     draft = _publish_draft(ckpt, ctx.out / "draft", ctx)
+    checked = _check_export(ctx, settings, draft, records, online)
     # Every epoch's draft (train.keep_epoch_drafts), for acceptance against tokens trained: the
     # work folder with their checkpoints is deleted once the stage is published.
     if ctx.cfg.train.keep_epoch_drafts:
@@ -231,9 +264,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     }
     return {
         **summarise(records),
+        **checked,
         **memory,
         "checkpoint_bytes": sum(f.stat().st_size for f in draft.iterdir()),
-        "ranks": ranks,
+        "ranks": ranks * ctx.cfg.hardware.num_nodes,
+        **({"nodes": ctx.cfg.hardware.num_nodes} if ctx.cfg.hardware.num_nodes > 1 else {}),
         # This attempt's training alone (no server start): online against offline per epoch.
         "train_s": train_s,
         "seconds_per_epoch": train_s / ctx.cfg.train.epochs,
@@ -241,6 +276,65 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "resumes": history["resumes"],
         "steps_redone": history["steps_redone"],
     }
+
+
+# Validation accuracy of the reloaded draft may differ from training's by the bf16 rounding of
+# the saved weights; a broken export (wrong head, mapping or layers) drops it to near zero.
+EXPORT_ACC_TOLERANCE = 0.05
+
+
+def _check_export(
+    ctx: StageContext, settings: dict[str, Any], draft: Path, records: list, online: bool
+) -> dict[str, Any]:
+    """The export check (runner/draft_check.py) on the published draft folder, then
+    speculators' validation pass over it, reloaded, against training's own validation of that
+    epoch. Any problem fails the stage before the draft is published or served."""
+    t = ctx.cfg.train
+    expect = Expected(
+        draft_vocab_size=ctx.cfg.vocab.draft_vocab_size,
+        target_vocab_size=ctx.facts.vocab_size,
+        hidden_size=ctx.facts.hidden_size,
+        num_layers=t.num_layers,
+        sliding_window=t.sliding_window,
+        full_attention_layers=list(t.full_attention_layers),
+        aux_layers=list(ctx.facts.aux_layers),
+        capture_ids=list(ctx.facts.capture_ids),
+    )
+    report = check_draft(draft, ctx.inputs["vocab"].path, expect)
+    metrics = dict(report.metrics)
+    trained = best_val(records).get("full_acc_0_epoch")
+    if not report.problems and not online and trained is not None:
+        # (Online, the states came from a server that is gone: nothing stored to validate on.)
+        where = ctx.scratch / "export_check"
+        again = validate_export(
+            settings, ctx.facts.train_slots, draft, where, ctx.cfg.hardware.device
+        ).get("full_acc_0_epoch")
+        if again is not None:
+            metrics.update(export_full_acc_0=again, trained_full_acc_0=trained)
+            report.lines.append(
+                f"reloaded draft's step-0 validation accuracy {again:.3f}, training's {trained:.3f}"
+            )
+            if again < trained - EXPORT_ACC_TOLERANCE:
+                report.problems.append(
+                    f"the reloaded draft's step-0 validation accuracy {again:.3f} is below "
+                    f"training's {trained:.3f} by more than {EXPORT_ACC_TOLERANCE}"
+                )
+    ctx.manifest["export_check"] = {"lines": report.lines, "problems": report.problems}
+    if not report.problems:  # one line: the details are in the manifest
+        log.info(
+            "[train] export check passed: head, d2t/t2d = the vocab stage's, layer types, "
+            "capture ids%s",
+            f"; reloaded step-0 accuracy {metrics['export_full_acc_0']:.3f} (training "
+            f"{metrics['trained_full_acc_0']:.3f})"
+            if "export_full_acc_0" in metrics
+            else "",
+        )
+    if report.problems:
+        raise StageError(
+            f"the exported draft in {draft} fails its check (nothing is published): "
+            + "; ".join(report.problems)
+        )
+    return metrics
 
 
 def _publish_draft(ckpt: Path, draft: Path, ctx: StageContext) -> Path:
@@ -296,10 +390,71 @@ def _check_with_speculators(p: Plan, view: PlanView) -> None:
         p.error(setting_key(view.cfg, exc.dest), f"speculators refuses it: {exc.message}")
 
 
+def cost(view: PlanView, nodes_: int) -> costs.Cost | None:
+    """Training's wall time and GPU-hours on `nodes_` boxes: the seconds outside the steps plus
+    tokens x epochs over (tokens/s a GPU x ranks x efficiency). The rate: this store's last
+    training of a draft of the same shape on this hardware, else runner/rates.yaml's row nearest
+    in hidden size (scaled by draft size when the shape differs: an estimate)."""
+    cfg = view.cfg
+    hidden, vocab = view.target.facts.hidden_size, cfg.vocab.draft_vocab_size
+    table = costs.rows("train")
+    if not table or not cfg.hardware.gpu_kind:
+        return None
+    row = min(
+        table,
+        key=lambda r: (abs(math.log(r["hidden"] / hidden)), r["gpu"] != cfg.hardware.gpu_kind),
+    )
+    art = costs.measured(view, "train")
+    m = art.manifest if art is not None else {}
+    if (
+        m.get("metrics", {}).get("tokens_per_s_median")
+        and m.get("model", {}).get("hidden_size") == hidden
+        and m.get("config", {}).get("draft_vocab_size") == vocab
+    ):
+        rate = float(m["metrics"]["tokens_per_s_median"]) / (m["config"].get("ranks") or 1)
+        source, est = f"measured by training {art.key} in this store", False
+    else:
+        got = costs.scaled(row, cfg.hardware.gpu_kind, float(row["tokens_per_s_per_gpu"]))
+        if got is None:
+            return None
+        rate, source, est = got
+        shape = _draft_work(row["hidden"], row["draft_vocab"]) / _draft_work(hidden, vocab)
+        if abs(shape - 1) > 0.01:
+            rate *= shape
+            source = (
+                f"estimate: scaled {shape:.2f}x by draft size from hidden {row['hidden']}, vocab "
+                f"{row['draft_vocab']} ({source})"
+            )
+            est = True
+    ranks = cfg.train_ranks() * nodes_
+    eff = costs.efficiency(ranks, float(row["efficiency_2"]))
+    tokens, _exact = costs.prepared_tokens(view)
+    wall = float(row["fixed_s"]) + tokens * cfg.train.epochs / (rate * ranks * eff)
+    return costs.Cost(
+        "training",
+        wall,
+        wall * costs.box_gpus(cfg, nodes_) / 3600,
+        f"{cfg.train.epochs} epoch(s) x {tokens:,} tokens at {rate:,.0f} tok/s a GPU x {ranks} "
+        f"GPU(s) x {eff:.2f} scaling [{source}]",
+        est or ranks > 2,
+    )
+
+
+def _draft_work(hidden: int, vocab: int) -> float:
+    """A proxy of one draft token's work: the layer and fc (~16 h^2) and the head (h x V)."""
+    return 16 * hidden * hidden + hidden * vocab
+
+
 def plan(p: Plan, view: PlanView) -> None:
     cfg, layout = view.cfg, view.target.layout
     if view.actions.get("train") == "run":
         _check_with_speculators(p, view)
+        if cfg.hardware.device == "cuda":
+            now, more = (
+                cost(view, n) for n in (cfg.hardware.num_nodes, cfg.hardware.num_nodes + 1)
+            )
+            if now and more:
+                p.add_cost("train", now, more)
     t, h, vd = cfg.train, layout.hidden_size, cfg.vocab.draft_vocab_size
     params = draft_params(cfg, view.target)
     aux = len(view.target.facts.aux_layers)
@@ -325,6 +480,7 @@ def plan(p: Plan, view: PlanView) -> None:
         f"{t.num_layers} layer(s), fc {aux}x{h}->{h}, draft vocab {vd} of {layout.vocab_size}, "
         f"~{params / 1e6:.0f}M params, {t.ttt_steps} TTT steps",
     )
+    p.add("draft attention", attention_line(cfg))
     seq = t.total_seq_len or cfg.data.max_seq_len
     draft_logits, full_logits = seq * vd * 4, seq * layout.vocab_size * 4
     p.numbers.update(teacher_logits_bytes=draft_logits, full_vocab_logits_bytes=full_logits)
@@ -354,6 +510,28 @@ def plan(p: Plan, view: PlanView) -> None:
     if hw.device != "cuda":
         return
     plan_memory(p, cfg, view.target)
+
+
+def attention_line(cfg: RunnerConfig) -> str:
+    """The draft layers' attention in words (train.sliding_window, train.full_attention_layers),
+    and whether the window can bind at all: contexts no longer than it see everything."""
+    t = cfg.train
+    full = sorted(t.full_attention_layers)
+    window = [i for i in range(t.num_layers) if i not in full]
+    parts = []
+    if window:
+        layers = "every layer" if not full else f"layer(s) {window}"
+        parts.append(f"{layers}: sliding window of {t.sliding_window} tokens")
+    if full:
+        parts.append(f"layer(s) {full}: full attention")
+    longest = cfg.data.max_seq_len  # packed rows keep their conversations apart
+    note = ""
+    if window and t.sliding_window >= longest:
+        note = (
+            f" (the window covers training's {longest}-token rows: the same as full attention "
+            "there; it binds on longer served contexts)"
+        )
+    return "; ".join(parts) + note + " (train.sliding_window, train.full_attention_layers)"
 
 
 def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:

@@ -12,8 +12,8 @@ import pytest
 from runner.job_tags import COLUMNS_TAG
 from runner.sweep import comparison_rows, render_table
 from runner.vllm_server import counters_delta
-from stages.evaluate import acceptance, teacher_forced
-from stages.evaluate import columns as evaluate_columns
+from stages.evaluate.measures import acceptance, teacher_forced
+from stages.evaluate.report import columns as evaluate_columns
 
 
 def test_counter_deltas_count_only_these_prompts():
@@ -95,7 +95,7 @@ def test_sweep_table_has_a_column_per_position_for_every_k(tmp_path):
 
 
 def test_a_divergence_at_a_near_tie_is_told_from_a_real_mismatch():
-    from stages.evaluate import MISMATCH, NEAR_TIE, UNKNOWN, divergence
+    from stages.evaluate.measures import MISMATCH, NEAR_TIE, UNKNOWN, divergence
 
     target = [5, 6, 7, 8]
     # The target's likeliest tokens per position, (id, logprob), likeliest first.
@@ -119,7 +119,7 @@ def test_a_divergence_at_a_near_tie_is_told_from_a_real_mismatch():
 
 
 def test_the_speed_ratio_pairs_repeats_and_reports_their_spread():
-    from stages.evaluate import speed_metrics
+    from stages.evaluate.measures import speed_metrics
 
     m = speed_metrics(
         {"c1": [110.0, 100.0, 105.0], "batch": [900.0, 950.0, 925.0]},

@@ -121,6 +121,9 @@ def test_wrong_type_is_rejected_with_its_name():
         (["hardware.vllm.ready_timeout_s=0"], "hardware.vllm.ready_timeout_s"),
         (["train.num_gpus=1"], "train.num_gpus"),  # on a CPU box
         (["hardware=blackwell8", "train.num_gpus=9"], "train.num_gpus"),
+        (["train.full_attention_layers=[1]"], "train.full_attention_layers"),  # 1 layer: [0]
+        (["train.full_attention_layers=[0,0]"], "train.full_attention_layers"),
+        (["train.sliding_window=0"], "train.sliding_window"),
         (["hardware=gpu1", "train.fsdp=true"], "train.fsdp"),  # one rank: nothing to shard
         (["train.fsdp=true"], "train.fsdp"),
         (["hardware=gpu1", "train.cpu_processes=2"], "train.cpu_processes"),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import sys
 from pathlib import Path
 
@@ -156,7 +157,20 @@ def test_the_speed_ratio_agrees_with_an_independent_probe(pipeline):
     prompts = next(iter(load_prompt_sets(cfg.eval).values()))
     got = probe(ev.path, prompts, cfg.eval.speed_prompts, cfg.eval.max_new_tokens, repeats=5)
     stage = {k: ev.metrics[f"speedup_{k}"] for k in ("c1", "batch")}
-    _figures("speed_probe", {"probe": {k: got[k] for k in stage}, "stage": stage})
+    # Each server's own median next to the probe's: a ratio that disagrees says which server
+    # (or both) ran slower in the stage than under the probe.
+    rates = json.loads((ev.path / "speed.json").read_text())
+    _figures(
+        "speed_probe",
+        {
+            "probe": {k: got[k] for k in stage},
+            "stage": stage,
+            "probe_tok_s": {s: got["servers"][s]["median"] for s in ("draft", "target")},
+            "stage_tok_s": {
+                s: {k: statistics.median(v) for k, v in rates[s].items()} for s in rates
+            },
+        },
+    )
     for kind, ratio in stage.items():
         assert abs(ratio / got[kind] - 1) <= 0.10, (kind, ratio, got[kind])
 

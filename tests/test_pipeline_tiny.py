@@ -172,6 +172,30 @@ def test_changing_a_training_setting_reruns_only_train(first_run, tiny_model_dir
     assert changed.results["train"].key != first.results["train"].key
 
 
+def test_the_drafts_attention_is_trained_recorded_and_keyed(first_run, tiny_model_dir, chats_jsonl):
+    """train.sliding_window / train.full_attention_layers reach speculators: the served draft's
+    config says which layer attends how; the default (speculators' own window) keeps the keys
+    made before the settings existed, another setting retrains."""
+    _, first, root = first_run
+    window = run_job(compose(tiny(tiny_model_dir, chats_jsonl, root, "train.sliding_window=8")))
+    full = run_job(
+        compose(tiny(tiny_model_dir, chats_jsonl, root, "train.full_attention_layers=[0]"))
+    )
+    keys = {first.results["train"].key, window.results["train"].key, full.results["train"].key}
+    assert len(keys) == 3
+    manifest = json.loads((first.results["train"].path / "manifest.json").read_text())
+    assert "sliding_window" not in manifest["config"]
+    layer = {}
+    for name, run in (("default", first), ("window", window), ("full", full)):
+        conf = json.loads((run.results["train"].path / "draft" / "config.json").read_text())
+        layer[name] = conf["transformer_layer_config"]
+    assert layer["default"]["layer_types"] == ["sliding_attention"]
+    assert layer["default"]["sliding_window"] == 2048
+    assert layer["window"]["layer_types"] == ["sliding_attention"]
+    assert layer["window"]["sliding_window"] == 8
+    assert layer["full"]["layer_types"] == ["full_attention"]
+
+
 def test_every_epochs_draft_is_kept_when_asked(first_run, tiny_model_dir, chats_jsonl):
     _, _, root = first_run
     two = ("train.epochs=2", "train.max_steps=null")
@@ -297,3 +321,83 @@ def test_fp8_storage_halves_the_files_and_trains_with_no_conversion(
     assert "fp8" in fp8.results["train"].path.joinpath("manifest.json").read_text()
     assert t8["steps"] == t16["steps"]
     assert t8["final_loss"] == pytest.approx(t16["final_loss"], rel=0.1)
+
+
+def test_the_plans_costs_take_this_stores_own_rates(first_run, tiny_model_dir, chats_jsonl):
+    """A finished stage in the store gives the plan's cost estimate its rate, but only on the
+    same hardware (name and GPU kind, from the manifest; runner/costs.py)."""
+    from types import SimpleNamespace
+
+    from runner.costs import measured
+    from runner.schema import typed
+    from runner.store import ArtifactStore
+
+    cfg, _result, root = first_run
+    store = ArtifactStore(root)
+    here = SimpleNamespace(cfg=typed(cfg), store=store)
+    for stage in ("extract", "train"):
+        # The store's latest of the stage (other tests of this module add to the same store).
+        art = measured(here, stage)
+        assert art is not None and art.key == store.latest(stage).key
+        assert art.manifest["hardware"] == {
+            "name": "cpu",
+            "gpu_kind": None,
+            "num_gpus": 0,
+            "num_nodes": 1,
+        }
+    elsewhere = typed(compose(tiny(tiny_model_dir, chats_jsonl, root, "hardware.name=other")))
+    assert measured(SimpleNamespace(cfg=elsewhere, store=store), "train") is None
+
+
+def test_the_export_check_passes_the_published_draft_and_catches_broken_ones(first_run, tmp_path):
+    """After training, the published folder is checked (head, vocab mapping against the vocab
+    stage's files, layer types, capture ids) and reloaded through speculators for one
+    validation pass, whose accuracy agrees with training's. Broken copies of it are caught."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from runner.draft_check import Expected, check_draft
+
+    _, first, _ = first_run
+    art = first.results["train"]
+    manifest = json.loads((art.path / "manifest.json").read_text())
+    assert manifest["export_check"]["problems"] == []
+    assert any("equal to the vocab stage's" in line for line in manifest["export_check"]["lines"])
+    m = art.metrics
+    assert m["export_problems"] == 0
+    assert abs(m["export_full_acc_0"] - m["trained_full_acc_0"]) <= 0.05
+    draft, vocab = art.path / "draft", first.results["vocab"].path
+    conf = json.loads((draft / "config.json").read_text())
+    expect = Expected(
+        draft_vocab_size=512,
+        target_vocab_size=len(np.load(vocab / "t2d.npy")),
+        hidden_size=conf["transformer_layer_config"]["hidden_size"],
+        num_layers=1,
+        sliding_window=2048,
+        full_attention_layers=[],
+        aux_layers=conf["eagle_aux_hidden_state_layer_ids"],
+        capture_ids=[0, 2, 3, 4],
+    )
+    assert check_draft(draft, vocab, expect).problems == []
+
+    def broken(edit_weights=None, edit_conf=None) -> list[str]:
+        copy = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(draft, copy)
+        if edit_weights:
+            w = load_file(str(copy / "model.safetensors"))
+            edit_weights(w)
+            save_file(w, str(copy / "model.safetensors"))
+        if edit_conf:
+            c = json.loads((copy / "config.json").read_text())
+            edit_conf(c)
+            (copy / "config.json").write_text(json.dumps(c))
+        return check_draft(copy, vocab, expect).problems
+
+    assert "no lm_head.weight" in broken(edit_weights=lambda w: w.pop("lm_head.weight"))[0]
+    flipped = broken(edit_weights=lambda w: w.update(d2t=torch.flip(w["d2t"], [0])))
+    assert any("differ from the vocab stage's" in p for p in flipped)
+    wrong_ids = broken(edit_conf=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2]))
+    assert "vLLM would feed it other layers" in wrong_ids[0]
+    full = broken(edit_conf=lambda c: c["transformer_layer_config"].update(layer_types=["x"]))
+    assert "train.full_attention_layers" in full[0]

@@ -419,3 +419,39 @@ def test_the_extraction_servers_step_size_is_a_setting_that_holds_a_row(tmp_path
     # Requests in flight to fill such steps: 64 on a GPU unless set; 8 on a CPU.
     assert cfg("hardware=gpu1").extract_concurrency() == 64 and cfg().extract_concurrency() == 8
     assert cfg("hardware=gpu1", "extract.concurrency=16").extract_concurrency() == 16
+
+
+def test_data_parallel_extraction_gives_each_server_its_own_gpus(tmp_path, monkeypatch):
+    """hardware.vllm.data_parallel: N servers of tensor_parallel_size GPUs each, in slices of the
+    visible GPUs (a Slurm allocation's when it sets CUDA_VISIBLE_DEVICES); more than the box has
+    is refused naming the key."""
+    from runner.schema import typed
+    from runner.server_pool import gpu_slices, server_count
+
+    # INT4 Kimi fits TP 4 only with a weights figure that says so (as in the online test).
+    four = ["extract=vllm", "hardware.tensor_parallel_size=4", "model.weights_gib=300"]
+    p = plan(tmp_path, *four, "hardware.vllm.data_parallel=2").plan
+    assert "2 vLLM servers started side by side" in p.render()
+    assert "GPUs 0,1,2,3 | 4,5,6,7" in p.render() and not p.errors
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,6,5,4,3,2,1,0")
+    cfg = typed(compose([*KIMI_BOX, *four, "hardware.vllm.data_parallel=2"]))
+    assert gpu_slices(cfg) == ["7,6,5,4", "3,2,1,0"] and server_count(cfg) == 2
+    with pytest.raises(ConfigError) as info:
+        plan(tmp_path, *four, "hardware.vllm.data_parallel=3")
+    assert info.value.key == "hardware.vllm.data_parallel" and "need 12 GPUs" in info.value.message
+
+
+def test_extraction_endpoints_are_each_asked_and_one_that_is_down_is_only_a_warning(tmp_path):
+    """hardware.vllm.endpoints: each server is asked in the plan; one that does not answer is a
+    warning (the others would take its rows), none answering is an error."""
+    from runner.vllm_server import free_port
+
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    over = ["extract=vllm", f"hardware.vllm.endpoints=[{dead[0]},{dead[1]}]"]
+    with pytest.raises(ConfigError) as info:
+        plan(tmp_path, *over)
+    assert info.value.key == "hardware.vllm.endpoints" and "none of the 2" in info.value.message
+    result = plan(
+        tmp_path, *over[:1], f"hardware.vllm.endpoints=[{dead[0]}]", "run.stages=[prepare]"
+    )
+    assert "no stage of this run uses them" in result.plan.render()

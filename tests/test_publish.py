@@ -37,6 +37,7 @@ def test_a_published_draft_loads_elsewhere_with_its_card(trained, tmp_path, tiny
     assert "base_model" not in front and "vllm serve TARGET" in card
     # No path of this machine in the card (it used to name /tmp folders).
     assert str(tmp_path) not in card and str(trained) not in card
+    assert "| draft attention | layer 0: sliding window of 2048 tokens |" in card
     assert str(tiny_model_dir) not in card and "/tmp/" not in card
     assert "[1, 2, 3, 4]: vllm (id k = input of decoder layer k" in card
     assert '"method": "eagle3", "model": "me/tiny-eagle3", "num_speculative_tokens": 3' in card

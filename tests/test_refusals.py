@@ -353,6 +353,28 @@ def _copy_model(src: Path, dst: Path) -> Path:
         (["hardware.vllm.endpoint=http://127.0.0.1:abc"], "hardware.vllm.endpoint", "valid URL"),
         (["hardware.vllm.endpoint='http://[::1:8000'"], "hardware.vllm.endpoint", "valid URL"),
         (["hardware.vllm.command=[/nope/bin/python]"], "hardware.vllm.command", "/nope/bin/python"),
+        (
+            ["hardware.vllm.endpoints=[http://a:1,http://b]"],
+            "hardware.vllm.endpoints[1]",
+            "http://host:port",
+        ),
+        (["hardware.vllm.endpoints=[http://a:1,http://a:1]"], "hardware.vllm.endpoints", "twice"),
+        (
+            ["hardware.vllm.endpoints=[http://a:1]", "hardware.vllm.endpoint=http://b:2"],
+            "hardware.vllm.endpoints",
+            "one server as endpoint",
+        ),
+        (
+            ["hardware.vllm.data_parallel=2", "hardware.vllm.endpoints=[http://a:1]"],
+            "hardware.vllm.data_parallel",
+            "already run",
+        ),
+        (
+            ["hardware.vllm.data_parallel=2", "extract=online"],
+            "hardware.vllm.data_parallel",
+            "one server",
+        ),
+        (["hardware.vllm.data_parallel=0"], "hardware.vllm.data_parallel", ">= 1"),
         (["hardware.vllm_kv_cache_gib=100000"], "hardware.vllm_kv_cache_gib", "RAM"),
         (["data.min_assistant_tokens=96"], "data.min_assistant_tokens", "no row would be kept"),
         (["data.max_seq_len=16"], "data.max_seq_len", "cannot hold one chat turn"),

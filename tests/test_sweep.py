@@ -225,6 +225,32 @@ def test_a_sweep_through_submitit_runs_each_job_as_its_own_process(
     assert "run.stages" not in rows[0]  # a list value, not a swept key
 
 
+def test_the_submitit_launcher_runs_a_two_node_job(tiny12_model_dir, chats_jsonl, tmp_path):
+    """One job on two "nodes": submitit's local executor starts two tasks (as Slurm starts one a
+    node with hydra/launcher=slurm, whose `nodes` is hardware.num_nodes); the task of rank 0 runs
+    the pipeline, the other joins its training, each with one gloo rank."""
+    from runner.vllm_server import free_port
+
+    proc = run_sweep(
+        tiny12_model_dir,
+        chats_jsonl,
+        tmp_path,
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.tasks_per_node=2",
+        "hardware.num_nodes=2",
+        f"hardware.rdzv_endpoint=127.0.0.1:{free_port()}",
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    logs = "".join(
+        p.read_text(errors="replace")
+        for p in (tmp_path / "hydra" / "multirun").glob("*/.submitit/*/*_log.*")
+    )
+    assert "joining attempt 1" in logs and "--nnodes=2" in logs, logs[-3000:]
+    (art,) = [p for p in (tmp_path / "store" / "train").iterdir() if not p.name.startswith(".")]
+    metrics = json.loads((art / "manifest.json").read_text())["metrics"]
+    assert metrics["ranks"] == 2 and metrics["nodes"] == 2
+
+
 def test_a_config_group_sweep_is_compared_by_its_options():
     """`-m regenerate=none,vllm` sweeps a config group, which is no param itself: each job's row
     (and the sweep figure's x axis) shows the option it ran, not an empty value."""

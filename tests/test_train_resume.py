@@ -160,3 +160,80 @@ def test_fused_loss_compiles_on_torch_2_11():
 
     applied = fix_fused_loss_for_torch_compile()
     assert applied == torch.__version__.startswith("2.11")
+
+
+def _descendants(pid: int) -> list[int]:
+    from runner.process import children
+
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children(p))
+    return out
+
+
+def _progress(root: Path) -> int:
+    for f in root.glob("scratch/train-*/progress.json"):
+        try:
+            return int(json.loads(f.read_text()).get("global_step", 0))
+        except (OSError, ValueError):
+            pass
+    return 0
+
+
+def test_two_nodes_train_as_one_job_and_resume_after_one_node_is_killed(
+    tiny_model_dir, chats_jsonl, tmp_path
+):
+    """hardware.num_nodes=2 on 127.0.0.1: two runner processes, node 0 runs the pipeline and
+    node 1 joins its training through the c10d rendezvous (one gloo rank each). Node 1 killed
+    with everything it started (kill -9, as a node dies): node 0's training fails and publishes
+    nothing; the same two commands again resume from the last checkpoint and finish."""
+    import contextlib
+    import os
+    import time
+
+    from runner.vllm_server import free_port
+
+    common = [
+        "hardware.num_nodes=2",
+        f"hardware.rdzv_endpoint=127.0.0.1:{free_port()}",
+        "train.epochs=2",  # of about 18 steps each on two ranks
+    ]
+
+    def node(rank: int) -> subprocess.Popen:
+        cmd = _command(tiny_model_dir, chats_jsonl, tmp_path, *common, f"hardware.node_rank={rank}")
+        return subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=runner_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+    follower, leader = node(1), node(0)
+    deadline = time.time() + 600
+    while _progress(tmp_path) < 20:
+        assert time.time() < deadline and leader.poll() is None, leader.communicate()[0][-3000:]
+        time.sleep(0.2)
+    for pid in _descendants(follower.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    follower.wait()
+    out = leader.communicate(timeout=300)[0]
+    assert leader.returncode == 1, out[-3000:]
+    assert "on 2 nodes failed" in out and "resumes from its latest checkpoint" in out, out[-3000:]
+    assert "--nnodes=2" in out and "--rdzv_backend=c10d" in out
+    assert not (tmp_path / "store" / "train").exists() or not list(
+        (tmp_path / "store" / "train").iterdir()
+    )
+    follower, leader = node(1), node(0)
+    out = leader.communicate(timeout=600)[0]
+    assert leader.returncode == 0, out[-3000:]
+    follower_out = follower.communicate(timeout=120)[0]
+    assert follower.returncode == 0, follower_out[-3000:]
+    assert "joining attempt 2" in follower_out
+    metrics, _ = train_result(tmp_path)
+    assert metrics["ranks"] == 2 and metrics["resumes"] == 1 and metrics["steps_redone"] >= 1

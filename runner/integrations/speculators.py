@@ -75,6 +75,9 @@ class TrainingState:
     progress_path: Path | None = None
     # speculators' metric records so far (MetricCapture's list): the progress line's loss.
     records: list[dict[str, Any]] = field(default_factory=list)
+    # The export check: one validation pass instead of training, its metrics kept here.
+    validate_only: bool = False
+    val_metrics: dict[str, float] | None = None
 
 
 class _Progress:
@@ -245,6 +248,9 @@ def runner_training(state: TrainingState, device: str | None = None) -> Iterator
             # speculators' own decorator turns the first signal into an exception anywhere in
             # the step (and an "interrupted" checkpoint it does not resume from); ours waits for
             # the step boundary instead.
+            if state.validate_only:
+                state.val_metrics = self.val_epoch(0)
+                return None
             with _stop_signals(state):
                 return base_trainer.run_training.__wrapped__(self)
 
@@ -584,6 +590,48 @@ def run_training(
         tmp.write_text(json.dumps(outcome))
         os.replace(tmp, work / "outcome.json")
     return state
+
+
+def validate_export(
+    settings: Mapping[str, Any], slots: tuple[int, ...], draft: Path, work: Path, device: str
+) -> dict[str, float]:
+    """speculators' own validation pass over the published draft folder, loaded back through
+    its from_pretrained as a user (or vLLM) loads it: the same validation rows as training, one
+    process. Returns its validation metrics (val/..._epoch names without the prefix)."""
+    from speculators.train.cli import main as speculators_train  # imports torch: seconds
+    from speculators.train.config.resolution import DECODER_SHAPING_FLAGS
+
+    # The published config names the target by its hub id (it loads anywhere), and speculators'
+    # from_pretrained resolves layer ids through it: a view of the folder whose config names the
+    # local target instead, the weights linked, not copied.
+    view = work / "draft"
+    view.mkdir(parents=True, exist_ok=True)
+    for f in draft.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (view / f.name).symlink_to(f.resolve())
+    conf = json.loads((draft / "config.json").read_text())
+    verifier = conf.get("speculators_config", {}).get("verifier", {})
+    if verifier:
+        verifier["name_or_path"] = settings["verifier_name_or_path"]
+    (view / "config.json").write_text(json.dumps(conf))
+    # The folder defines the draft: speculators refuses the flags that would shape another.
+    drop = {"logger", "fsdp_shard", "max_steps", "draft_config", *DECODER_SHAPING_FLAGS}
+    s = {k: v for k, v in settings.items() if k not in drop}
+    s.update(from_pretrained=str(view), save_path=str(work / "save"), log_dir=str(work / "logs"))
+    state = TrainingState(validate_only=True)
+    with capture_metrics(None), runner_training(state, device):
+        speculators_train(resolve_train_config(s, slots))
+    return dict(state.val_metrics or {})
+
+
+def best_val(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The validation metrics of the epoch whose draft is published (speculators keeps the one
+    of the lowest validation loss), without the val/ prefix."""
+    val = [r for r in records if "val/loss_epoch" in r]
+    if not val:
+        return {}
+    best = min(val, key=lambda r: r["val/loss_epoch"])
+    return {k[4:]: v for k, v in best.items() if k.startswith("val/")}
 
 
 def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:

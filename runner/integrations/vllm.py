@@ -21,6 +21,7 @@ from typing import Any
 
 from runner.json_cache import remembered
 from runner.layout import user_cache
+from runner.versions import version_tuple
 
 # The vLLM builds and versions the runner and these integrations were run and tested with: the
 # CPU build in CI and on the project's own machines (pyproject's `cpu` extra), the CUDA build on
@@ -36,6 +37,16 @@ def unchecked(dist: str, version: str) -> str | None:
         return None
     ledger = "; ".join(f"{d} {', '.join(v)}" for d, v in CHECKED.items())
     return f"{dist} {version} is not a version the runner was checked with ({ledger})"
+
+
+# Per-request acceptance in each response (`--per-request-spec-decode-metrics summary`): in the
+# CPU build checked (0.32.0), not in the CUDA build checked (0.26.0), whose evaluation measures
+# each prompt alone between two reads of the server's counters instead.
+PER_REQUEST_SPEC_METRICS = "0.32.0"
+
+
+def per_request_spec_metrics(version: str) -> bool:
+    return version_tuple(version) >= version_tuple(PER_REQUEST_SPEC_METRICS)
 
 
 # Minimum vLLM for EAGLE-3 serving and hidden-state extraction of a given architecture

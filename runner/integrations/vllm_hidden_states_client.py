@@ -1,15 +1,24 @@
-"""Hidden states from a vLLM extraction server, one request per row: the request loop of the
+"""Hidden states from vLLM extraction servers, one request per row: the request loop of the
 `vllm` extract backend, in place of speculators' data-generation client.
 
-    failed = fetch_rows(url, model, {i: ids, ...}, out_dir, concurrency=8, timeout_s=600,
-                        retries=3)     # -> {row: reason} for the rows it gave up on
+    got = fetch_rows([Server(url, model, alive), ...], {i: ids, ...}, out_dir, concurrency=8,
+                     timeout_s=600, retries=3)
+    got.failed   # {row: reason} for the rows it gave up on
+    got.shares   # per server: rows, tokens, whether it stopped answering
 
 It speaks the protocol speculators' client speaks (vLLM's hidden-states connector): a completion
 of `max_tokens` 1 with `return_token_ids`, whose `kv_transfer_params.hidden_states_path` names the
 file the server writes, with a companion `.lock` held until the file is complete; the file is
 then moved to `out_dir/hs_{row}.safetensors`. Like that client it retries each request with
 backoff, checks that the server saw the row's own token ids, skips a row that keeps failing and
-stops once `2 x concurrency` rows in a row failed (the server is gone).
+stops once `2 x concurrency` rows in a row failed.
+
+Several servers (data-parallel extraction, README "More than one box") share one queue of rows,
+`concurrency` requests in flight on each: a faster server simply takes more rows, and a row
+whose request failed goes back on the queue for whichever server is free. A server that fails a
+request and then does not answer `alive()` is dropped; its rows go to the others, and only when
+no server is left does the fetch end (ServerGone). The files are the same whichever server wrote
+them: one per row, named by the row.
 
 Why not speculators' client: on one H200 it spent 16 ms of CPU per row (9 ms with larger server
 steps), almost all in the OpenAI client library preparing each request (its type-driven
@@ -29,6 +38,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Seconds before retry n (1-based): 2, 4, 8, ... as speculators' client waits.
@@ -36,7 +46,7 @@ _BACKOFF_BASE = 2
 
 
 class ServerGone(Exception):
-    """Too many rows in a row failed: the server stopped answering."""
+    """Too many rows in a row failed, or no server is left: extraction cannot go on."""
 
     def __init__(self, failed: dict[int, str]):
         super().__init__(f"{len(failed)} rows failed")
@@ -90,61 +100,131 @@ async def _request(
     return str(path)
 
 
+@dataclass
+class Server:
+    """One extraction server: its OpenAI base URL (".../v1"), its model id, and a check that it
+    still answers (called after a failed request, in a thread)."""
+
+    url: str
+    model: str
+    alive: Callable[[], bool] = lambda: True
+
+
+@dataclass
+class Share:
+    """What one server did: rows and tokens written, and whether it was dropped."""
+
+    url: str
+    rows: int = 0
+    tokens: int = 0
+    dropped: bool = False
+
+
+@dataclass
+class Fetched:
+    failed: dict[int, str] = field(default_factory=dict)
+    shares: list[Share] = field(default_factory=list)
+
+
 async def _fetch(
-    url: str,
-    model: str,
+    servers: Sequence[Server],
     rows: Mapping[int, Sequence[int]],
     out_dir: Path,
     concurrency: int,
     timeout_s: float,
     retries: int,
     done: Callable[[int], None],
-) -> dict[int, str]:
+    dropped: Callable[[Server], None],
+) -> Fetched:
     import aiohttp
 
-    failed: dict[int, str] = {}
-    streak = [0]  # rows failed in a row
-    todo = iter(sorted(rows))
+    got = Fetched(shares=[Share(s.url.rstrip("/")) for s in servers])
+    given_up = [0]  # rows given up on in a row, over every server
+    queue: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()
+    for row in sorted(rows):
+        queue.put_nowait((row, 0))  # (row, failed attempts so far)
+    pending = [len(rows)]
+    workers = len(servers) * concurrency
     # Lock waits block: a thread per request in flight, never starved by the default pool's size.
-    files = concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="hs-move")
+    files = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hs-move")
     loop = asyncio.get_running_loop()
 
-    async def one(session: aiohttp.ClientSession, row: int) -> None:
+    def finished() -> None:
+        pending[0] -= 1
+        if pending[0] == 0:
+            for _ in range(workers):  # wakes every worker waiting for a row: nothing is left
+                queue.put_nowait(None)
+
+    def give_up(row: int, why: str) -> None:
+        got.failed[row] = why
+        finished()
+        given_up[0] += 1
+        if given_up[0] >= 2 * concurrency:
+            raise ServerGone(got.failed)
+
+    async def one(session: aiohttp.ClientSession, k: int, row: int, attempt: int) -> None:
+        server, share = servers[k], got.shares[k]
         ids = [int(t) for t in rows[row]]
         body = json.dumps(
-            {"model": model, "prompt": ids, "max_tokens": 1, "return_token_ids": True}
+            {"model": server.model, "prompt": ids, "max_tokens": 1, "return_token_ids": True}
         ).encode()
-        why = ""
-        for attempt in range(retries + 1):
-            if attempt:
-                await asyncio.sleep(_BACKOFF_BASE**attempt)
-            try:
-                path = await _request(session, url, body, ids, timeout_s)
-                await loop.run_in_executor(
-                    files, _wait_and_move, path, out_dir / f"hs_{row}.safetensors"
-                )
-            except _Invalid as exc:
-                why = str(exc)
-                break
-            except (aiohttp.ClientError, TimeoutError, RuntimeError, OSError) as exc:
-                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                continue
-            streak[0] = 0
-            done(row)
+        try:
+            path = await _request(session, share.url, body, ids, timeout_s)
+            await loop.run_in_executor(
+                files, _wait_and_move, path, out_dir / f"hs_{row}.safetensors"
+            )
+        except _Invalid as exc:
+            give_up(row, str(exc))
             return
-        failed[row] = why
-        streak[0] += 1
-        if streak[0] >= 2 * concurrency:
-            raise ServerGone(failed)
+        except (aiohttp.ClientError, TimeoutError, RuntimeError, OSError) as exc:
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            await retry_or_give_up(k, row, attempt, why)
+            return
+        given_up[0] = 0
+        share.rows += 1
+        share.tokens += len(ids)
+        done(row)
+        finished()
 
-    async def worker(session: aiohttp.ClientSession) -> None:
-        for row in todo:  # one iterator shared by every worker: each row is taken once
-            await one(session, row)
+    async def retry_or_give_up(k: int, row: int, attempt: int, why: str) -> None:
+        """A request that did not come back: the server may be gone (then the row goes to the
+        others, not counted against it), or the row is tried again, or given up on."""
+        server, share = servers[k], got.shares[k]
+        if not share.dropped and not await loop.run_in_executor(None, server.alive):
+            share.dropped = True
+            dropped(server)
+        if share.dropped:
+            queue.put_nowait((row, attempt))  # not the row's fault: not counted
+        elif attempt >= retries:
+            give_up(row, why)
+        else:
+            queue.put_nowait((row, attempt + 1))
+            await asyncio.sleep(_BACKOFF_BASE ** (attempt + 1))  # this server waits
+        if all(s.dropped for s in got.shares):
+            while not queue.empty():
+                item = queue.get_nowait()
+                if item is not None:
+                    got.failed[item[0]] = f"no server left ({why})"
+            raise ServerGone(got.failed)
 
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    async def worker(session: aiohttp.ClientSession, k: int) -> None:
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            if got.shares[k].dropped:
+                queue.put_nowait(item)  # for a server that still answers
+                return
+            await one(session, k, *item)
+
+    connector = aiohttp.TCPConnector(limit=workers)
     try:
         async with aiohttp.ClientSession(connector=connector) as session:
-            tasks = [asyncio.create_task(worker(session)) for _ in range(concurrency)]
+            tasks = [
+                asyncio.create_task(worker(session, k))
+                for k in range(len(servers))
+                for _ in range(concurrency)
+            ]
             try:
                 await asyncio.gather(*tasks)
             finally:
@@ -154,12 +234,11 @@ async def _fetch(
     finally:
         # A lock is held only while the server writes a file: nothing here waits long.
         files.shutdown(wait=False, cancel_futures=True)
-    return failed
+    return got
 
 
 def fetch_rows(
-    url: str,
-    model: str,
+    servers: Sequence[Server],
     rows: Mapping[int, Sequence[int]],
     out_dir: Path,
     *,
@@ -167,12 +246,16 @@ def fetch_rows(
     timeout_s: float,
     retries: int,
     done: Callable[[int], None] = lambda _row: None,
-) -> dict[int, str]:
-    """Request every row of `rows` ({row: token ids}) from the server at `url` (".../v1") with
-    `concurrency` in flight, each file moved to out_dir/hs_{row}.safetensors; `done(row)` after
-    each. Returns {row: reason} for the rows given up on after `retries` retries each; raises
-    ServerGone once 2 x concurrency rows in a row failed."""
+    dropped: Callable[[Server], None] = lambda _server: None,
+) -> Fetched:
+    """Request every row of `rows` ({row: token ids}) from `servers`, `concurrency` in flight on
+    each, each file moved to out_dir/hs_{row}.safetensors; `done(row)` after each, `dropped(s)`
+    when a server stops answering (its rows go to the others). Returns the rows given up on
+    after `retries` retries each, with the reason, and each server's share; raises ServerGone
+    once 2 x concurrency rows in a row were given up on, or no server is left."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not rows:
+        return Fetched(shares=[Share(s.url.rstrip("/")) for s in servers])
     return asyncio.run(
-        _fetch(url.rstrip("/"), model, rows, out_dir, concurrency, timeout_s, retries, done)
+        _fetch(servers, rows, out_dir, concurrency, timeout_s, retries, done, dropped)
     )

@@ -29,9 +29,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from runner import costs
 from runner.checks import check_preset
+from runner.costs import Cost
 from runner.layer_ids import hook_point
 from runner.schema import DTYPE_BYTES, RunnerConfig
+from runner.server_pool import gpu_slices, server_count
 from runner.stage import EXTRACTION, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.store import fmt_bytes, free_bytes
 from runner.target_facts import ModelFacts, Target
@@ -149,11 +152,20 @@ def plan(p: Plan, view: PlanView) -> None:
         )
     if cfg.extract.backend == "vllm":
         x = cfg.extract
+        v, n = cfg.hardware.vllm, server_count(cfg)
         who = (
-            f"the server at {cfg.hardware.vllm.endpoint}:"
-            if cfg.hardware.vllm.endpoint
+            f"the server at {v.endpoint}:"
+            if v.endpoint
+            else f"{n} servers that already run (hardware.vllm.endpoints), rows shared:"
+            if v.endpoints
             else "the train stage's vLLM server,"
             if online(cfg)
+            else f"{n} vLLM servers started side by side (hardware.vllm.data_parallel; GPUs "
+            f"{' | '.join(gpu_slices(cfg))}), rows shared:"
+            if n > 1 and cfg.hardware.device == "cuda"
+            else f"{n} vLLM servers started side by side on this CPU (hardware.vllm."
+            "data_parallel; they share its cores), rows shared:"
+            if n > 1
             else "a vLLM server,"
         )
         p.add(
@@ -207,6 +219,12 @@ def plan(p: Plan, view: PlanView) -> None:
         )
     if view.actions.get("extract") != "run":
         return
+    if cfg.hardware.device == "cuda":
+        costs_now = [
+            cost(view, nodes) for nodes in (cfg.hardware.num_nodes, cfg.hardware.num_nodes + 1)
+        ]
+        if costs_now[0] and costs_now[1]:
+            p.add_cost("extract", costs_now[0], costs_now[1])
     if need > free:
         fits_other = bpt_other * tokens_est <= free
         key = "extract.storage" if fits_other and storage == "bf16" else "data.num_samples"
@@ -214,8 +232,8 @@ def plan(p: Plan, view: PlanView) -> None:
             "extract.storage=fp8 would fit, or extract.mode=online stores nothing"
             if key == "extract.storage"
             else "lower data.num_samples / data.max_seq_len"
-            + (", use extract.storage=fp8," if storage == "bf16" else "")
-            + " train online (extract.mode=online: nothing stored), or move run.output_root"
+            + (", use extract.storage=fp8" if storage == "bf16" else "")
+            + ", train online (extract.mode=online: nothing stored), or move run.output_root"
         )
         p.error(
             key,
@@ -242,6 +260,57 @@ def _planned_rate(view: PlanView) -> tuple[float | None, str]:
     if same and m.get("config", {}).get("backend") == cfg.extract.backend and rate:
         return float(rate), f"measured by extraction {art.key}"
     return None, ""
+
+
+def cost(view: PlanView, nodes: int) -> Cost | None:
+    """The extraction's wall time and GPU-hours on `nodes` boxes: the server's start plus the
+    tokens over (tokens/s a server x servers). In process, one pass on this box; through vLLM,
+    hardware.vllm.data_parallel servers a box (the other boxes' through hardware.vllm.endpoints).
+    The rate: this store's last extraction of the same weights on this hardware, else
+    hardware.extract_tokens_per_s, else runner/rates.yaml."""
+    cfg, hw = view.cfg, view.cfg.hardware
+    tokens, _exact = costs.prepared_tokens(view)
+    backend = cfg.extract.backend
+    # Rows of this target at this TP: this backend's first; a start time from any backend's row
+    # beats none (a 1T target loads for half an hour either way), the rate only from this one's.
+    candidates = [
+        r
+        for r in costs.rows("extract")
+        if r["model"] == cfg.model.name and r["tp"] == hw.tensor_parallel_size
+    ]
+    mine = costs.first_scaled(
+        [r for r in candidates if r["backend"] == backend], hw.gpu_kind, "tokens_per_s"
+    )
+    anyone = mine or costs.first_scaled(candidates, hw.gpu_kind, "tokens_per_s")
+    start = float(anyone[0]["start_s"]) if anyone else 0.0
+    art = costs.measured(view, "extract")
+    m = art.manifest if art is not None else {}
+    if (
+        m.get("metrics", {}).get("tokens_per_s")
+        and m.get("model", {}).get("weights_id") == view.target.facts.weights_id
+        and m.get("config", {}).get("backend") == backend
+    ):
+        rate = float(m["metrics"]["tokens_per_s"]) / (m["metrics"].get("servers") or 1)
+        start = float(m["metrics"].get("server_start_s") or start)
+        source, est = f"measured by extraction {art.key} in this store", False
+    elif hw.extract_tokens_per_s:
+        rate, source, est = hw.extract_tokens_per_s, "hardware.extract_tokens_per_s, planned", True
+    elif mine:
+        rate, source, est = mine[1]
+    else:
+        return None
+    vllm = backend == "vllm"
+    servers = max(1, hw.vllm.data_parallel) * nodes if vllm else 1
+    wall = start + tokens / (rate * servers)
+    across = " (a server a box: hardware.vllm.endpoints)" if vllm and nodes > 1 else ""
+    return costs.Cost(
+        "extraction",
+        wall,
+        wall * costs.box_gpus(cfg, nodes) / 3600,
+        f"{tokens:,} tokens at {rate:,.0f} tok/s a server x {servers} server(s){across}, start "
+        f"{costs.fmt_hours(start)} [{source}]",
+        est,
+    )
 
 
 def _plan_online(p: Plan, view: PlanView, tokens: int, bound: str, bpt: dict[str, int]) -> None:
@@ -287,7 +356,7 @@ STAGE = Stage(
     version="1",
     libraries={"torch": ("torch",), "transformers": ("transformers",)},
     identities=("tokenizer_id", "weights_id"),
-    logged={"layer_stats.json": "extract", "logs": "extract/logs"},
+    logged={"layer_stats.json": "extract", "servers.json": "extract", "logs": "extract/logs"},
     figures=figures,
     plan=plan,
     check_target=check_target,

@@ -22,17 +22,19 @@ import logging
 import shutil
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from runner.console import bar_interval
 from runner.errors import StageError
-from runner.integrations.vllm_hidden_states_client import ServerGone, fetch_rows
+from runner.integrations.vllm_hidden_states_client import Fetched, Server, ServerGone, fetch_rows
 from runner.schema import RunnerConfig
+from runner.server_pool import answers, serve_pool
 from runner.stage import StageContext
 from runner.store import fmt_bytes
 from runner.target_facts import ModelFacts
-from runner.vllm_server import ExistingServer, VllmServer, engine_args, serve
+from runner.vllm_server import ExistingServer, VllmServer, engine_args
 from stages.extract import final_slot
 from stages.extract.samples import LayerStats, write_sample
 
@@ -74,17 +76,20 @@ def server_args(cfg: RunnerConfig, facts: ModelFacts, staging: Path) -> list[str
 
 
 def fetch(
-    server: VllmServer | ExistingServer,
+    servers: VllmServer | ExistingServer | Sequence[VllmServer | ExistingServer],
     rows: dict[int, Sequence[int]],
     out_dir: Path,
     cfg: RunnerConfig,
     concurrency: int | None = None,
-) -> dict[int, str]:
-    """The hidden states of `rows` ({row: token ids}) from the server into out_dir, with
-    extract.concurrency requests in flight (runner/integrations/vllm_hidden_states_client.py);
-    the rows given up on, with the reason. A server that stops answering ends the stage."""
+) -> Fetched:
+    """The hidden states of `rows` ({row: token ids}) from the servers into out_dir, with
+    extract.concurrency requests in flight on each (runner/integrations/
+    vllm_hidden_states_client.py); the rows given up on, with the reason, and each server's
+    share. A server that stops answering is left out (its rows go to the others); when none is
+    left the stage ends."""
     from tqdm import tqdm
 
+    pool = list(servers) if isinstance(servers, Sequence) else [servers]
     e = cfg.extract
     bar = tqdm(
         total=len(rows),
@@ -93,22 +98,32 @@ def fetch(
         disable=len(rows) < 2,
         mininterval=bar_interval(),
     )
+
+    def dropped(s: Server) -> None:
+        if len(pool) > 1:
+            log.warning(
+                "[extract] the server at %s stopped answering; the other servers take its rows",
+                s.url,
+            )
+
     try:
         return fetch_rows(
-            server.url,
-            str(server.model_id),
+            [Server(s.url, str(s.model_id), partial(answers, s)) for s in pool],
             rows,
             out_dir,
             concurrency=concurrency or cfg.extract_concurrency(),
             timeout_s=e.request_timeout_s,
             retries=e.max_retries,
             done=lambda _row: bar.update(1),
+            dropped=dropped,
         )
     except ServerGone as exc:
-        server.check_alive()  # a dead server is the reason: say so, with its log
+        for s in pool:
+            s.check_alive(settle_s=20)  # a dead server is the reason: say so, with its log
+        logs = ", ".join(str(s.log_path) for s in pool)
         raise StageError(
             _failed_samples(exc.failed, cfg, out_dir) + f"; the server stopped answering (its "
-            f"log: {server.log_path})"
+            f"log: {logs})"
         ) from None
     finally:
         bar.close()
@@ -158,16 +173,23 @@ def extract(
             len(before),
             len(unreadable),
         )
-    # The log lives in scratch while the server runs (kept there if the stage fails), then in
-    # the artifact.
-    log_path = scratch / "logs" / "vllm_extract.log"
-    # hardware.vllm.endpoint: a server that already runs, checked by the plan; it writes where
-    # it was told to (its own --kv-transfer-config), and the client moves the files here.
-    server = serve(cfg, facts.path, server_args(cfg, facts, staging), log_path, label="extract")
-    with server:
+    # The logs live in scratch while the servers run (kept there if the stage fails), then in
+    # the artifact. hardware.vllm.endpoint(s): servers that already run, checked by the plan;
+    # each writes where it was told to (its own --kv-transfer-config), the client moves the
+    # files here. hardware.vllm.data_parallel: several started here, each with its own staging
+    # folder (the files' names come from the request, which can repeat across servers).
+    logs = scratch / "logs"
+
+    def args_for(k: int) -> list[str]:
+        return server_args(cfg, facts, staging / f"s{k}" if k else staging)
+
+    with serve_pool(cfg, facts.path, args_for, logs, label="extract") as servers:
+        server = servers[0]
         # One sample first: a server that writes the wrong slots fails here, not after every row.
         first = done_dir / "hs_0.safetensors"
-        failed = {} if first.exists() else fetch(server, {0: rows[0].tolist()}, done_dir, cfg)
+        failed = (
+            {} if first.exists() else fetch(server, {0: rows[0].tolist()}, done_dir, cfg).failed
+        )
         if failed or not first.exists():
             server.check_alive()
             raise StageError(_failed_samples(failed or {0: "no file written"}, cfg, done_dir))
@@ -199,15 +221,20 @@ def extract(
             if not (done_dir / f"hs_{i}.safetensors").exists()
         }
         log.info(
-            "[extract] requesting the hidden states of %d rows, %d in flight (extract.concurrency)",
+            "[extract] requesting the hidden states of %d rows, %d in flight (extract.concurrency)"
+            "%s",
             len(todo),
             cfg.extract_concurrency(),
+            f" on each of {len(servers)} servers" if len(servers) > 1 else "",
         )
         t0 = time.time()
-        failed = fetch(server, todo, done_dir, cfg)
+        fetched = fetch(servers, todo, done_dir, cfg)
+        failed = fetched.failed
         seconds = time.time() - t0
-        server.check_alive()
-        start_s = server.start_s
+        if not any(sh.dropped for sh in fetched.shares):
+            for s in servers:
+                s.check_alive()
+        start_s = max(s.start_s or 0.0 for s in servers)
     missing = [i for i in range(len(rows)) if not (done_dir / f"hs_{i}.safetensors").exists()]
     bad = find_corrupt_hidden_state_indices(done_dir, list(range(len(rows))))
     if missing or bad:
@@ -246,8 +273,20 @@ def extract(
             src.unlink()
         else:
             shutil.move(src, dst)
-    if log_path.parent.is_dir():  # none with an existing server: its log is on its machine
-        shutil.copytree(log_path.parent, ctx.out / "logs")
+    if logs.is_dir():  # none with existing servers: their logs are on their machines
+        shutil.copytree(logs, ctx.out / "logs")
+    shares = _shares(fetched, seconds, servers)
+    if len(servers) > 1 or len(shares) > 1:
+        (ctx.out / "servers.json").write_text(json.dumps(shares, indent=1))
+        for k, sh in enumerate(shares):
+            log.info(
+                "[extract] server %d (%s): %d rows, %.0f tok/s%s",
+                k,
+                sh["url"],
+                sh["rows"],
+                sh["tokens_per_s"],
+                ", stopped answering and was left out" if sh["dropped"] else "",
+            )
     # Throughput over the rows the main pass computed (not sample 0's probe, not resumed files).
     fresh = sum(len(r) for i, r in enumerate(rows) if i > 0 and f"hs_{i}.safetensors" not in before)
     return {
@@ -258,7 +297,31 @@ def extract(
         # Reading, checking and summarising every file after the client (not in tokens_per_s).
         "check_s": time.time() - t_check,
         "concurrency": float(cfg.extract_concurrency()),
+        "servers": float(len(servers)),
+        "servers_dropped": float(sum(sh["dropped"] for sh in shares)),
+        # Each server's own share (the manifest's metrics are flat numbers; servers.json holds
+        # the same with the addresses).
+        **{f"server{k}_rows": float(sh["rows"]) for k, sh in enumerate(shares)},
+        **{f"server{k}_tokens_per_s": sh["tokens_per_s"] for k, sh in enumerate(shares)},
         **selftest,
         "resumed_samples": len(before),
         "redone_unreadable": len(unreadable),
     }
+
+
+def _shares(
+    fetched: Fetched, seconds: float, servers: Sequence[VllmServer | ExistingServer]
+) -> list[dict[str, Any]]:
+    """What each server did in the main pass: rows, tokens, tokens/s over the pass's time, its
+    start-up seconds, and whether it was left out."""
+    return [
+        {
+            "url": sh.url,
+            "rows": sh.rows,
+            "tokens": sh.tokens,
+            "tokens_per_s": sh.tokens / seconds if seconds > 0 else float("nan"),
+            "start_s": s.start_s,
+            "dropped": sh.dropped,
+        }
+        for sh, s in zip(fetched.shares, servers, strict=True)
+    ]

@@ -1,0 +1,77 @@
+"""Confidence intervals for measured figures, so that two recipes are compared with their noise.
+
+    lo, hi = ratio_interval(accepted, steps, offset=1.0)  # 1 + sum(a)/sum(s), prompts resampled
+    group = replicates(values)       # seeds as replicates: mean, sd, interval of the mean
+    overlap((lo1, hi1), (lo2, hi2))  # True: the difference is inside the noise
+
+Prompts are the unit of a bootstrap (scipy.stats.bootstrap, percentile method, fixed seed): an
+acceptance length is a ratio of sums over prompts, so resampling prompts and recomputing that
+ratio gives an interval for the very figure reported. Seeds are replicates of a whole run: their
+mean gets a Student-t interval (n is 3 to 5, too few to bootstrap).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+LEVEL = 0.95
+RESAMPLES = 2000
+
+
+def ratio_interval(
+    num: Sequence[float], den: Sequence[float], offset: float = 0.0, level: float = LEVEL
+) -> tuple[float, float]:
+    """`level` interval of offset + sum(num)/sum(den), resampling the (num, den) pairs."""
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    if len(a) < 2 or b.sum() <= 0:
+        value = offset + (a.sum() / b.sum() if b.sum() > 0 else math.nan)
+        return value, value
+
+    def stat(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
+        total = y.sum(axis=axis)
+        return offset + x.sum(axis=axis) / np.where(total > 0, total, np.nan)
+
+    res = bootstrap(
+        (a, b),
+        stat,
+        paired=True,
+        vectorized=True,
+        n_resamples=RESAMPLES,
+        confidence_level=level,
+        method="percentile",
+        rng=np.random.default_rng(0),
+    )
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+@dataclass(frozen=True)
+class Replicates:
+    n: int
+    mean: float
+    sd: float
+    lo: float
+    hi: float
+
+
+def replicates(values: Sequence[float], level: float = LEVEL) -> Replicates:
+    """Mean of replicate runs (seeds) with the sample sd and a Student-t interval of the mean."""
+    from scipy.stats import t
+
+    vals = [float(v) for v in values]
+    n = len(vals)
+    mean = sum(vals) / n
+    if n < 2:
+        return Replicates(n, mean, math.nan, math.nan, math.nan)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
+    half = float(t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+    return Replicates(n, mean, sd, mean - half, mean + half)
+
+
+def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two intervals share a point: their difference is not shown to be real."""
+    return a[0] <= b[1] and b[0] <= a[1]

@@ -1,0 +1,319 @@
+"""Stage `evaluate`: measured acceptance of the trained draft under real speculative decoding.
+
+Run alone: `python -m runner run.stages=[evaluate]` (needs train in the store).
+The runner starts a vLLM server (runner/vllm_server.py, launched as `hardware.vllm` says) that
+serves the target greedily on held-out prompts (MT-bench by default), one server per setting: with
+the trained draft as an EAGLE-3 speculator (k speculative tokens), without a draft (the target's
+own greedy output and speed), and optionally with a randomly initialised draft of the same shape
+(`eval.random_baseline`). Acceptance comes from the server's Prometheus counters (/metrics:
+drafts, draft tokens, accepted tokens, accepted per position), read before and after the prompts.
+Reports mean acceptance length (1 + accepted / drafts), per-position acceptance, whether every
+output equals the target's own, the speed ratio, and beside them the teacher-forced accuracies
+from training.
+Writes `eval_table.json` (one row per prompt), `summary.json` and the vLLM logs.
+
+This module runs the stage and plans it; beside it: prompt_sets.py (which prompts), serving.py
+(the servers and what they return), measures.py (the figures) and report.py (what is shown).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from runner import costs
+from runner.assets import load_prompt_sets
+from runner.errors import ConfigError, StageError
+from runner.heldout import HELDOUT
+from runner.prompts import shown, user_turns
+from runner.schema import RunnerConfig
+from runner.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
+from runner.store import damage
+from runner.target_facts import ModelFacts, target_context
+from runner.versions import VLLM_DISTS
+from runner.vllm_server import shell_command
+from stages.evaluate.measures import (
+    acceptance,
+    divergence,
+    identity_counts,
+    prompt_cells,
+    prompt_interval,
+    report_mismatches,
+    speed_metrics,
+    teacher_forced,
+)
+from stages.evaluate.prompt_sets import check_prompt_room, prompt_sets, prompt_sources
+from stages.evaluate.report import columns, figures, results, summary, tables
+from stages.evaluate.serving import random_draft, serve_sets, server_args, tokens_per_s
+
+_NOT_IN_KEY = ("name", "timeout_s")
+
+
+def _draft_content(folder: str) -> str | None:
+    """sha256 of a draft folder's config and weights (eval.draft: what is served, wherever it
+    lies); None if it is not a draft folder (the plan says so)."""
+    import hashlib
+
+    root = Path(folder).expanduser()
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        try:
+            with open(root / name, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(block)
+        except OSError:
+            return None
+    return h.hexdigest()
+
+
+def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
+    e = dataclasses.asdict(cfg.eval)
+    if cfg.eval.draft:
+        e["draft"] = _draft_content(cfg.eval.draft)
+    return {
+        **{k: v for k, v in e.items() if k not in _NOT_IN_KEY},
+        "weights": facts.weights_id,
+        "dtype": cfg.hardware.dtype,
+        # Held-out prompts are whole conversations up to a user turn since this mark; the
+        # first-turn ones measured before are another measurement.
+        **({"heldout": "multi-turn"} if HELDOUT in prompt_sources(cfg) else {}),
+        # Measured on a server the runner did not start: another measurement than its own.
+        **({"endpoint": cfg.hardware.vllm.endpoint} if cfg.hardware.vllm.endpoint else {}),
+    }
+
+
+def _reads(cfg: RunnerConfig) -> tuple[str, ...]:
+    """The draft's training; with the held-out set, what prepare (and regenerate) read."""
+    reads = () if cfg.eval.draft else ("train",)
+    if HELDOUT in prompt_sources(cfg):
+        reads += ("prepare",)
+        if cfg.regenerate.backend != "none":
+            reads += ("regenerate",)
+    return reads
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.cfg
+    e = cfg.eval
+    sets = prompt_sets(ctx)
+    first = next(iter(sets))  # the run's own figures (and objective); the others by name
+    train_art = ctx.inputs.get("train")  # None for a draft trained elsewhere (eval.draft)
+    if train_art is None:
+        draft = Path(e.draft or "").expanduser().resolve()
+    else:
+        draft = train_art.path / "draft"
+        # A draft is served only if every byte is what training published (hashed in full: it
+        # is small next to the target, and a bit flip would be served silently).
+        wrong = damage(train_art, full=True, under="draft/")
+        if wrong is not None:
+            raise StageError(
+                f"the draft in {train_art.path} is damaged ({wrong}); refusing to serve it. Run "
+                "with run.force=[train] to train it again, or delete that folder"
+            )
+    work = ctx.scratch
+    logs = work / "logs"  # copied into the artifact at the end; kept in scratch if the stage fails
+    ctx.manifest["served"] = {
+        "target": ctx.facts.path,
+        "draft": str(draft),
+        # What a user pastes to serve it as measured (publish rewrites the draft's path).
+        "serve_command": shell_command(cfg, ctx.facts.path, server_args(cfg, draft)),
+    }
+    ctx.manifest["prompt_sets"] = {name: len(p) for name, p in sets.items()}
+    existing = cfg.hardware.vllm.endpoint is not None
+    comparing = e.compare_target and not existing
+    repeats = speed_repeats(cfg) if comparing else 0
+    start_s, spec = serve_sets(cfg, ctx.facts, draft, sets, "draft", logs, speed_repeats=repeats)
+    metrics: dict[str, Any] = {"server_start_s": start_s}
+    for name, result in spec.items():
+        # The first set's figures are the run's own; another set's carry its name as a prefix.
+        pre = "" if name == first else f"{name}/"
+        measured = acceptance(result["counters"])
+        if name != first:
+            keep = ("acceptance_length", "draft_acceptance_rate")
+            measured = {k: v for k, v in measured.items() if k in keep or "_pos_" in k}
+        metrics.update({f"{pre}{k}": v for k, v in measured.items()})
+        metrics.update({f"{pre}{k}": v for k, v in prompt_interval(result["per_prompt"]).items()})
+        metrics[f"{pre}prompts"] = len(sets[name])
+        if name == HELDOUT:
+            metrics[f"{pre}multi_turn_prompts"] = sum(user_turns(q) > 1 for q in sets[name])
+        metrics[f"{pre}generated_tokens"] = sum(len(t) for t in result["token_ids"])
+        metrics[f"{pre}spec_tokens_per_s"] = tokens_per_s(result)
+    identical: dict[str, list[bool | None]] = {n: [None] * len(p) for n, p in sets.items()}
+    differs: dict[str, list[dict[str, Any] | None]] = {n: [None] * len(p) for n, p in sets.items()}
+    # A server that already runs (hardware.vllm.endpoint) serves one configuration, the draft's:
+    # the target alone and a random draft would need servers of their own (the plan says so).
+    if existing:
+        ctx.manifest["served_by"] = cfg.hardware.vllm.endpoint
+    if comparing:
+        _, target = serve_sets(
+            cfg, ctx.facts, None, sets, "target", logs, likeliest=True, speed_repeats=repeats
+        )
+        for name, result in target.items():
+            pre = "" if name == first else f"{name}/"
+            rows = zip(
+                spec[name]["token_ids"], result["token_ids"], result["likeliest"], strict=True
+            )
+            differs[name] = [divergence(a, b, t2, e.near_tie_gap) for a, b, t2 in rows]
+            identical[name] = [d is None for d in differs[name]]
+            metrics[f"{pre}target_tokens_per_s"] = tokens_per_s(result)
+        if repeats:
+            speeds = {"draft": spec[first]["speed"], "target": target[first]["speed"]}
+            (ctx.out / "speed.json").write_text(json.dumps(speeds, indent=1))  # every repeat
+            metrics.update(speed_metrics(speeds["draft"], speeds["target"]))
+            metrics["speed_repeats"] = repeats
+            metrics["speed_batch"] = len(sets[first])
+        metrics.update(identity_counts(differs))
+        report_mismatches(differs)
+    if e.random_baseline and not existing and train_art is not None:
+        # On the first set only: a floor, not a figure to compare across sets.
+        rand = random_draft(train_art.manifest, work / "random_draft")
+        _, rnd = serve_sets(cfg, ctx.facts, rand, {first: sets[first]}, "random_draft", logs)
+        for k, v in acceptance(rnd[first]["counters"]).items():
+            metrics[f"random_{k}"] = v
+    if train_art is not None:
+        train_metrics = train_art.manifest.get("metrics", {})
+        metrics.update(teacher_forced(train_metrics, e.num_speculative_tokens))
+    identity = [
+        {"set": name, "index": i, "prompt": shown(sets[name][i], 200), **d}
+        for name in sets
+        for i, d in enumerate(differs[name])
+        if d is not None
+    ]
+    (ctx.out / "identity.json").write_text(json.dumps(identity, indent=1))
+    table = [
+        {
+            "set": name,
+            "index": i,
+            "prompt": shown(p, 300),
+            "user_turns": user_turns(p),
+            "prompt_tokens": spec[name]["prompt_tokens"][i],
+            "new_tokens": len(spec[name]["token_ids"][i]),
+            "identical_to_target": identical[name][i],
+            "differs": (differs[name][i] or {}).get("verdict"),
+            **prompt_cells(spec[name]["per_prompt"], i),
+            "output": spec[name]["texts"][i],
+        }
+        for name, prompts in sets.items()
+        for i, p in enumerate(prompts)
+    ]
+    (ctx.out / "eval_table.json").write_text(json.dumps(table, indent=1))
+    (ctx.out / "summary.json").write_text(json.dumps(metrics, indent=2))
+    if logs.is_dir():  # none with an existing server: its log is on its machine
+        shutil.copytree(logs, ctx.out / "logs")
+    return metrics
+
+
+def speed_repeats(cfg: RunnerConfig) -> int:
+    """eval.speed_repeats, or its default: 5 on a GPU, none on a CPU (vLLM's CPU build runs
+    speculative decoding slower than the target alone: its ratio says nothing about serving)."""
+    if cfg.eval.speed_repeats is not None:
+        return cfg.eval.speed_repeats
+    return 5 if cfg.hardware.device == "cuda" else 0
+
+
+def cost(view: PlanView) -> costs.Cost | None:
+    """The evaluation's wall time and GPU-hours: its servers' starts (the draft-served one, and
+    the target alone with eval.compare_target) plus the generation on warm servers, from
+    runner/rates.yaml; the same with more boxes (it runs on one)."""
+    cfg = view.cfg
+    found = costs.first_scaled(
+        [r for r in costs.rows("evaluate") if r["model"] == cfg.model.name],
+        cfg.hardware.gpu_kind,
+        "generate_s",
+        is_time=True,
+    )
+    if found is None:
+        return None
+    row, (gen, source, est) = found
+    servers = 1 + bool(cfg.eval.compare_target)
+    wall = servers * float(row["start_s"]) + gen
+    return costs.Cost(
+        "evaluation",
+        wall,
+        wall * cfg.hardware.num_gpus / 3600,
+        f"{servers} server start(s) of {costs.fmt_hours(float(row['start_s']))} + "
+        f"{costs.fmt_hours(gen)} generating [{source}]",
+        est,
+    )
+
+
+def plan(p: Plan, view: PlanView) -> None:
+    cfg = view.cfg
+    if view.actions.get("evaluate") != "run":
+        return
+    if cfg.hardware.device == "cuda" and (estimate := cost(view)):
+        p.add_cost("evaluate", estimate, estimate)
+    if cfg.eval.draft:
+        from runner.transfer import packed_reason
+
+        packed = packed_reason(Path(cfg.eval.draft).expanduser())
+        if packed:
+            p.error("eval.draft", packed)
+        elif _draft_content(cfg.eval.draft) is None:
+            p.error(
+                "eval.draft",
+                f"{cfg.eval.draft} holds no draft (config.json and model.safetensors)",
+            )
+        else:
+            p.add("draft", f"{cfg.eval.draft} (trained elsewhere: no teacher-forced estimate)")
+        if cfg.eval.random_baseline:
+            p.warn(
+                "eval.random_baseline",
+                "not measured for eval.draft: the random draft is "
+                "built from this config's own training command",
+            )
+    if cfg.hardware.vllm.endpoint:
+        skipped = [k for k in ("compare_target", "random_baseline") if getattr(cfg.eval, k)]
+        if skipped:
+            p.warn(
+                ", ".join(f"eval.{k}" for k in skipped),
+                "not measured: the server at hardware.vllm.endpoint serves the draft only, and "
+                "the target alone or a random draft would need servers of their own",
+            )
+    # Every prompt file is read now (exists, parses, has the fields), not after training, and
+    # its longest prompt plus the answer must fit the servers' context.
+    try:
+        # (The held-out set is chosen to fit when the stage runs.)
+        if HELDOUT in cfg.eval.prompts and cfg.eval.draft:
+            p.warn(
+                "eval.prompts",
+                "heldout is skipped: eval.draft was trained elsewhere, on data this run does "
+                "not know",
+            )
+        check_prompt_room(p, cfg, view, load_prompt_sets(cfg.eval))
+    except ConfigError as exc:
+        p.error(exc.key, exc.message)
+    context = cfg.model.max_context or target_context(view.target.config)
+    if context and cfg.eval.max_model_len > context:
+        p.error(
+            "eval.max_model_len",
+            f"{cfg.eval.max_model_len} exceeds the target's context of {context} tokens "
+            "(vLLM would refuse it after loading; model.max_context overrides the context)",
+        )
+
+
+STAGE = Stage(
+    name="evaluate",
+    key_config=key_config,
+    run=run,
+    upstream=("train",),
+    version="1",
+    libraries={"vllm": VLLM_DISTS},
+    identities=("tokenizer_id", "weights_id"),
+    logged={"eval_table.json": "evaluate", "summary.json": "evaluate", "logs": "evaluate/logs"},
+    summary=summary,
+    columns=columns,
+    tables=tables,
+    figures=figures,
+    server=lambda cfg: ServerNeed(
+        DRAFT, cfg.eval.max_model_len, "eval.max_model_len", k=cfg.eval.num_speculative_tokens
+    ),
+    reads=_reads,
+    objective="acceptance_length",
+    plotted="acceptance_length",
+    results=results,
+    plan=plan,
+)

@@ -1,0 +1,196 @@
+"""The evaluation's figures from what the servers returned: acceptance length and per
+position from counters, its 95% interval over prompts, the teacher-forced estimate from training,
+where a served output leaves the target's greedy path (and whether at a near tie), and the speed
+ratio with its spread; nothing here reads files or talks to a server (tests/test_acceptance_math.py
+checks them on hand-made inputs).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from runner.intervals import ratio_interval
+
+log = logging.getLogger("runner")
+
+
+def prompt_interval(per_prompt: list[dict[str, Any]]) -> dict[str, float]:
+    """The acceptance length's 95% interval over prompts (bootstrap: prompts resampled, the
+    length recomputed as 1 + accepted / drafts of the sample), and the mean of the prompts' own
+    lengths (each prompt weighs the same, however many drafts it took)."""
+    rows = [c for c in per_prompt if c["drafts"]]
+    if not rows:
+        return {}
+    lo, hi = ratio_interval([c["accepted"] for c in rows], [c["drafts"] for c in rows], 1.0)
+    own = [1 + c["accepted"] / c["drafts"] for c in rows]
+    return {
+        "acceptance_length_ci_low": lo,
+        "acceptance_length_ci_high": hi,
+        "acceptance_length_prompt_mean": sum(own) / len(own),
+    }
+
+
+def acceptance(counters: dict) -> dict[str, Any]:
+    drafts = counters["drafts"]
+    out: dict[str, Any] = {
+        "drafts": drafts,
+        "draft_tokens": counters["draft_tokens"],
+        "accepted_tokens": counters["accepted"],
+        "acceptance_length": 1.0 + counters["accepted"] / drafts if drafts else float("nan"),
+        "draft_acceptance_rate": counters["accepted"] / counters["draft_tokens"]
+        if counters["draft_tokens"]
+        else float("nan"),
+    }
+    for i, a in enumerate(counters["accepted_per_pos"]):
+        out[f"acceptance_pos_{i}"] = a / drafts if drafts else float("nan")
+    return out
+
+
+def teacher_forced(train_metrics: dict[str, Any], k: int) -> dict[str, Any]:
+    """Validation accuracies from training, per draft position, and the acceptance length they
+    imply.
+
+    speculators' `full_acc_i` is the share of supervised positions where draft steps 0..i were
+    all right, with the target's own hidden states as inputs (teacher forcing); for a chain of k
+    drafts that predicts an acceptance length of 1 + sum_i full_acc_i. Served acceptance is
+    usually lower: at serving time the draft feeds on its own earlier states.
+    """
+    out: dict[str, Any] = {}
+    est = 1.0
+    for i in range(k):
+        full = train_metrics.get(f"val_full_acc_{i}_epoch")
+        cond = train_metrics.get(f"val_cond_acc_{i}_epoch")
+        if full is None:
+            break
+        out[f"teacher_forced_full_acc_{i}"] = float(full)
+        if cond is not None:
+            out[f"teacher_forced_cond_acc_{i}"] = float(cond)
+        est += float(full)
+    if out:
+        out["teacher_forced_acceptance_length"] = est
+    return out
+
+
+NEAR_TIE, MISMATCH, UNKNOWN = "near tie", "mismatch", "undetermined"
+
+
+def divergence(
+    draft_ids: list[int],
+    target_ids: list[int],
+    target_top: list[list[tuple[int, float]]],
+    near_tie_gap: float,
+) -> dict[str, Any] | None:
+    """Where a served output first differs from the target's own greedy output, and whether that
+    is a near tie: at that position the token the draft-served output took is among the
+    target's likeliest (`target_top`, (id, logprob) per position, likeliest first) within
+    `near_tie_gap` of the target's own choice (a stop where the target went on: its runner-up
+    within the gap). None when the outputs are identical."""
+    if draft_ids == target_ids:
+        return None
+    j = next(
+        (i for i, (a, b) in enumerate(zip(draft_ids, target_ids, strict=False)) if a != b),
+        min(len(draft_ids), len(target_ids)),
+    )
+    took = draft_ids[j] if j < len(draft_ids) else None
+    row: dict[str, Any] = {"position": j, "draft_token": took}
+    if j >= len(target_top) or len(target_top[j]) < 2:
+        return {**row, "target_token": None, "gap": None, "verdict": UNKNOWN}
+    first, lp1 = target_top[j][0]
+    lp_took = dict(target_top[j]).get(took) if took is not None else target_top[j][1][1]
+    # Not among the target's likeliest: at least as far below as the last of them.
+    gap = lp1 - (lp_took if lp_took is not None else target_top[j][-1][1])
+    near = lp_took is not None and gap <= near_tie_gap
+    return {
+        **row,
+        "target_token": first,
+        "runner_up": target_top[j][1][0],
+        "gap": gap,
+        "verdict": NEAR_TIE if near else MISMATCH,
+    }
+
+
+def _spread(values: list[float]) -> float:
+    import statistics
+
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def speed_metrics(draft: dict[str, list[float]], target: dict[str, list[float]]) -> dict[str, Any]:
+    """The speed ratio (draft-served over the target alone, warm), at concurrency 1 and at the
+    evaluation's batch: each server's median tokens/s over the repeats (a repeat slowed by
+    something else on the machine moves a median least), their ratio, and the standard
+    deviation of the per-repeat ratios as its spread."""
+    import statistics
+
+    out: dict[str, Any] = {}
+    for kind in ("c1", "batch"):
+        if not draft[kind]:
+            continue
+        d, t = statistics.median(draft[kind]), statistics.median(target[kind])
+        out[f"speedup_{kind}"] = d / t
+        ratios = [a / b for a, b in zip(draft[kind], target[kind], strict=True)]
+        out[f"speedup_{kind}_std"] = _spread(ratios)
+        out[f"draft_tok_s_{kind}"] = d
+        out[f"target_tok_s_{kind}"] = t
+    return out
+
+
+def prompt_cells(per_prompt: list[dict[str, Any]], i: int) -> dict[str, Any]:
+    """One prompt's acceptance in the per-prompt table (MLflow's evaluate/prompts.json)."""
+    if i >= len(per_prompt):
+        return {}
+    c = per_prompt[i]
+    return {
+        "acceptance_length": 1 + c["accepted"] / c["drafts"] if c["drafts"] else None,
+        "drafts": c["drafts"],
+        "accepted": c["accepted"],
+        "accepted_per_pos": c["accepted_per_pos"],
+    }
+
+
+def identity_counts(differs: dict[str, list[dict[str, Any] | None]]) -> dict[str, Any]:
+    flat = [d for rows in differs.values() for d in rows]
+    verdicts = [d["verdict"] for d in flat if d is not None]
+    return {
+        "identical_to_target_fraction": sum(d is None for d in flat) / len(flat),
+        "near_ties": verdicts.count(NEAR_TIE),
+        "mismatches": verdicts.count(MISMATCH),
+        "undetermined": verdicts.count(UNKNOWN),
+    }
+
+
+def report_mismatches(differs: dict[str, list[dict[str, Any] | None]]) -> None:
+    """An output that leaves the target's greedy path where the target was not near a tie is
+    not bf16 noise: the identity check fails, naming the first such prompt (the figures are
+    still published, with every divergence in identity.json and MLflow's evaluate/identity
+    table, so that each can be looked at)."""
+    bad = [
+        (name, i, d)
+        for name, rows in differs.items()
+        for i, d in enumerate(rows)
+        if d is not None and d["verdict"] == MISMATCH
+    ]
+    near = sum(1 for rows in differs.values() for d in rows if d and d["verdict"] == NEAR_TIE)
+    if near:
+        log.info(
+            "[evaluate] %d output(s) leave the target's greedy path at a near tie "
+            "(logprob gap <= eval.near_tie_gap): bf16 kernels of another batch shape",
+            near,
+        )
+    if bad:
+        name, i, d = bad[0]
+        gap = "n/a" if d["gap"] is None else f"{d['gap']:.3f}"
+        log.error(
+            "[evaluate] identity check FAILED: %d output(s) served with the draft differ from the "
+            "target's own where the target was not near a tie; first: set %s, prompt %d, "
+            "position %d (target token %s, served %s, logprob gap %s > eval.near_tie_gap). "
+            "Speculative decoding must not change greedy output: see identity.json",
+            len(bad),
+            name,
+            i,
+            d["position"],
+            d["target_token"],
+            d["draft_token"],
+            gap,
+        )

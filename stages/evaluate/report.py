@@ -1,0 +1,186 @@
+"""What an evaluation shows: the summary lines, one row per prompt set (the card's and reports'),
+the sweep comparison's columns, MLflow's tables and the acceptance-by-position figure.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from runner.schema import RunnerConfig, prompt_set_name
+from runner.vllm_server import shell_command
+from stages.evaluate.prompt_sets import prompt_sources
+from stages.evaluate.serving import server_args
+
+
+def set_names(cfg: RunnerConfig) -> list[str]:
+    return [prompt_set_name(p) for p in prompt_sources(cfg)]
+
+
+def results(metrics: Mapping[str, Any], cfg: RunnerConfig) -> list[dict[str, Any]]:
+    """One row per prompt set: what a published card and a report show. The first set's metrics
+    carry no prefix (it is the run's objective), the others "<set>/"."""
+    rows = []
+    for i, name in enumerate(set_names(cfg)):
+        pre = "" if i == 0 else f"{name}/"
+        if f"{pre}acceptance_length" not in metrics:
+            continue
+        rows.append(
+            {
+                "set": name,
+                "prompts": metrics.get(f"{pre}prompts"),
+                "multi_turn_prompts": metrics.get(f"{pre}multi_turn_prompts"),
+                "k": cfg.eval.num_speculative_tokens,
+                "acceptance_length": metrics[f"{pre}acceptance_length"],
+                "ci95": _ci(metrics, pre),
+                "per_position": [v for _, v in _positions(metrics, pre)],
+                "speedup_c1": metrics.get("speedup_c1") if i == 0 else None,
+                "speedup_batch": metrics.get("speedup_batch") if i == 0 else None,
+                "random_acceptance_length": (
+                    metrics.get("random_acceptance_length") if i == 0 else None
+                ),
+            }
+        )
+    return rows
+
+
+def _ci(metrics: Mapping[str, Any], pre: str = "") -> list[float] | None:
+    lo, hi = (metrics.get(f"{pre}acceptance_length_ci_{e}") for e in ("low", "high"))
+    return None if lo is None or hi is None else [lo, hi]
+
+
+def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:
+    if metrics.get("acceptance_length") is None:
+        return []
+    same = metrics.get("identical_to_target_fraction")
+    lines = []
+    for row in results(metrics, cfg):
+        per_pos = " / ".join(f"{v:.3f}" for v in row["per_position"])
+        ci = row["ci95"]
+        spread = f"95% interval {ci[0]:.3f}-{ci[1]:.3f} over " if ci else ""
+        multi = row["multi_turn_prompts"]
+        turns = f", {multi:.0f} multi-turn" if multi else ""
+        lines.append(
+            f"acceptance length {row['acceptance_length']:.3f} on {row['set']} ({spread}"
+            f"{row['prompts']} prompts{turns}; k={row['k']}, per position {per_pos})"
+        )
+    if "speedup_c1" in metrics:
+        lines.append(
+            f"speed, warm, draft-served over the target alone ({metrics['speed_repeats']:.0f} "
+            f"repeats; ratio of median tokens/s ± sd of the per-repeat ratios): "
+            f"{metrics['speedup_c1']:.2f}x ± "
+            f"{metrics['speedup_c1_std']:.2f} at concurrency 1, {metrics['speedup_batch']:.2f}x "
+            f"± {metrics['speedup_batch_std']:.2f} at batch {metrics['speed_batch']:.0f}"
+            + (
+                " (on a CPU this ratio says nothing about a GPU: vLLM warns that speculative "
+                "decoding on a CPU without Intel OpenMP loses much of its speed)"
+                if cfg.hardware.device == "cpu"
+                else ""
+            )
+        )
+    extra = []
+    if same is not None:
+        differ = [
+            f"{metrics[k]:.0f} {k.replace('_', ' ')}"
+            for k in ("near_ties", "mismatches", "undetermined")
+            if metrics.get(k)
+        ]
+        extra.append(
+            f"identical to target: {same:.0%}"
+            + (f" (the rest: {', '.join(differ)})" if differ else "")
+            + ("; IDENTITY CHECK FAILED (identity.json)" if metrics.get("mismatches") else "")
+        )
+    if "random_acceptance_length" in metrics:
+        extra.append(f"random draft {metrics['random_acceptance_length']:.3f}")
+    if "teacher_forced_acceptance_length" in metrics:
+        extra.append(f"teacher-forced estimate {metrics['teacher_forced_acceptance_length']:.3f}")
+    if extra:
+        lines.append(", ".join(extra))
+    return [*lines, f"serve it: {serve_command(cfg, path)}"]
+
+
+def serve_command(cfg: RunnerConfig, path: Path) -> str:
+    """The command that serves the target with the evaluated draft on this machine as the
+    evaluation did (the same engine flags: dtype, context, and on CPU the memory settings)."""
+    try:
+        served = json.loads((path / "manifest.json").read_text())["served"]
+    except (OSError, ValueError, KeyError):
+        return "(see the evaluation's manifest)"
+    if "serve_command" in served:
+        return served["serve_command"]
+    return shell_command(cfg, served["target"], server_args(cfg, Path(served["draft"])))
+
+
+def _positions(metrics: Mapping[str, Any], pre: str = "") -> list[tuple[int, float]]:
+    """(position, acceptance) for every draft position the metrics hold (of the set whose
+    prefix is `pre`), in order."""
+    prefix = f"{pre}acceptance_pos_"
+    found = [(int(k[len(prefix) :]), v) for k, v in metrics.items() if k.startswith(prefix)]
+    return sorted(found)
+
+
+def _other_sets(metrics: Mapping[str, Any]) -> list[str]:
+    """The prompt sets after the first, as their metrics name them ("humaneval/...")."""
+    return sorted({k.split("/", 1)[0] for k in metrics if k.endswith("/acceptance_length")})
+
+
+def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
+    return {
+        "acceptance_length": metrics.get("acceptance_length"),
+        # The objective's interval: the sweep comparison marks differences inside it.
+        "acceptance_length_lo": metrics.get("acceptance_length_ci_low"),
+        "acceptance_length_hi": metrics.get("acceptance_length_ci_high"),
+        **{f"acc_pos_{i}": v for i, v in _positions(metrics)},
+        **{f"al_{name}": metrics.get(f"{name}/acceptance_length") for name in _other_sets(metrics)},
+        "teacher_forced_al": metrics.get("teacher_forced_acceptance_length"),
+    }
+
+
+def tables(_metrics: Mapping[str, Any], path: Path) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for name, logged in (("eval_table.json", "prompts.json"), ("identity.json", "identity.json")):
+        if (path / name).is_file():
+            rows = json.loads((path / name).read_text())
+            if rows:
+                out[f"evaluate/{logged}"] = rows
+    return out
+
+
+def figures(metrics: Mapping[str, Any], _path: Path) -> dict[str, Any]:
+    """Acceptance by draft position, the trained draft against the random one (when measured)
+    and the teacher-forced estimate."""
+    positions = _positions(metrics)
+    if not positions:
+        return {}
+    import matplotlib  # a second to import; only when a run logs its figures
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = [p for p, _ in positions]
+    bars = [("served draft", [v for _, v in positions])]
+    bars += [
+        (f"served draft, {name}", [v for _, v in _positions(metrics, f"{name}/")])
+        for name in _other_sets(metrics)
+    ]
+    rand = [metrics.get(f"random_acceptance_pos_{p}") for p in xs]
+    if all(v is not None for v in rand):
+        bars.append(("random draft", rand))
+    width = 0.8 / len(bars)
+    for j, (label, values) in enumerate(bars):
+        offset = (j - (len(bars) - 1) / 2) * width
+        ax.bar([x + offset for x in xs[: len(values)]], values, width=width, label=label)
+    tf = [metrics.get(f"teacher_forced_full_acc_{p}") for p in xs]
+    if all(v is not None for v in tf):
+        ax.plot(xs, tf, "k--o", label="teacher-forced estimate")
+    ax.set_xticks(xs, [str(x + 1) for x in xs])
+    ax.set_xlabel("draft position (share of drafts accepted up to it)")
+    ax.set_ylabel("acceptance rate")
+    ax.set_title(f"acceptance length {metrics.get('acceptance_length', float('nan')):.3f}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return {"evaluate/acceptance_by_position.png": fig}
