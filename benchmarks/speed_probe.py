@@ -1,33 +1,32 @@
-"""An independent check of the evaluate stage's speed ratio: the same draft served by the command
-its evaluation recorded, measured by other code.
+"""An independent check of the evaluate stage's speed ratio on fresh servers: the same draft
+served by the command its evaluation recorded, measured by other code.
 
 What is shared with the stage: the servers' command lines (the draft's is the `serve_command` in
 the evaluate artifact's manifest, the one a user pastes; the target's is the same without
-`--speculative-config`) and the prompts. What is not: the client (plain HTTP from threads, not the
-OpenAI client library), the warm-up (three passes of everything measured, untimed), the timing
-(per server, its median over repeats) and the token count (the server's `usage`, not the
-returned token ids). Each server runs alone, the target first.
+`--speculative-config`) and the prompts. What is not: the server processes (two new ones, each
+alone, the target first), the client, warm-up and timing (stages/evaluate/speed_check.py's: plain
+HTTP from threads, three untimed passes, the server's `usage`; the stage measures through
+aiohttp). `eval.speed_check` runs that client on the stage's own servers instead: this probe
+adds what differs between one start of a server and another.
 
-X
+    python -m benchmarks.speed_probe <store>/evaluate/<key> [--repeats 5] [overrides]
 
-Prints one `BENCH` JSON line per server and one with the ratios next to the stage's own; the GPU
-lane holds the two within 10% (tests/test_gpu_lane.py).
+Prints one `BENCH` JSON line per server and one with the ratios next to the stage's own.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import shlex
 import statistics
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from stages.evaluate import speed_check
 
 
 def _line(name: str, values: dict) -> None:
@@ -37,38 +36,6 @@ def _line(name: str, values: dict) -> None:
 def _without_draft(words: list[str]) -> list[str]:
     i = words.index("--speculative-config")
     return words[:i] + words[i + 2 :]
-
-
-def _post(base: str, body: dict[str, Any]) -> int:
-    request = urllib.request.Request(
-        f"{base}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=600) as r:
-        return int(json.loads(r.read())["usage"]["completion_tokens"])
-
-
-def _rate(base: str, model: str, prompts: list[str], max_tokens: int, at_once: bool) -> float:
-    """Generated tokens per second over `prompts`, one after another or all at once."""
-
-    def one(prompt: str) -> int:
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "seed": 0,
-        }
-        return _post(base, body)
-
-    t0 = time.perf_counter()
-    if at_once:
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            tokens = sum(pool.map(one, prompts))
-    else:
-        tokens = sum(one(p) for p in prompts)
-    return tokens / (time.perf_counter() - t0)
 
 
 def measure(
@@ -86,20 +53,15 @@ def measure(
 
     words = list(words)
     words[words.index("--port") + 1] = str(free_port())
-    rates: dict[str, list[float]] = {"c1": [], "batch": []}
     with VllmServer(words, {**os.environ, **env}, log, f"probe:{label}", 1800.0) as server:
         model = server.served_model()
-        for timed in [False] * 3 + [True] * repeats:
-            for kind, chosen, at_once in (
-                ("c1", prompts[:c1_prompts], False),
-                ("batch", prompts, True),
-            ):
-                rate = _rate(server.base, model, chosen, max_tokens, at_once)
-                if timed:
-                    rates[kind].append(rate)
+        rates = speed_check.measure(
+            server.base, model, prompts, c1_prompts, max_tokens, repeats, warm_passes=3
+        )
         start_s = server.start_s
+        compiled = server.compile_cache()
     out = {k: statistics.median(v) for k, v in rates.items()}
-    return {"median": out, "repeats": rates, "server_start_s": start_s}
+    return {"median": out, "repeats": rates, "server_start_s": start_s, "compile_cache": compiled}
 
 
 def probe(

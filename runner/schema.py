@@ -804,6 +804,11 @@ class EvalConfig:
     speed_repeats: int | None = None
     # Prompts (the first set's first ones) generated one after another for concurrency 1.
     speed_prompts: int = 16
+    # After the stage's own timing, each server's speed measured again on the same warm server by
+    # other code (stages/evaluate/speed_check.py: another client, warm-up and count); the
+    # summary gives both ratios and says whether they agree within 10%. Costs the same time as
+    # the timing again.
+    speed_check: bool = False
     # Seconds allowed for generating all prompts on one vLLM server (start-up not included).
     timeout_s: int = 1800
 

@@ -375,6 +375,19 @@ class VllmServer(_ServerApi):
                 f"vLLM ({self.label}) exited with code {code}; {self._proc.tail_text()}"
             )
 
+    def compile_cache(self) -> str | None:
+        """Whether this start compiled its torch.compile graphs ("cold") or loaded every one from
+        vLLM's compile cache ("warm"), from its log; None where nothing was compiled (eager, the
+        CPU) or the log does not say. On one H200 a cold-compiled server measured slower than a
+        warm one of the same command (docs/benchmarks.md), so a speed figure records it."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        if "Compiling a graph for" in text:
+            return "cold"
+        return "warm" if "Directly load the compiled graph" in text else None
+
     def stop(self) -> None:
         self._proc.stop()
         if self.warnings:

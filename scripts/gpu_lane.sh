@@ -12,9 +12,10 @@
 #   bash scripts/gpu_lane.sh fetch           its logs and figures to $OUT
 #   bash scripts/gpu_lane.sh stop            end the lane and every process it started
 # The phases, to fit 30 minutes of one GPU: (A) the parts that measure no speed, side by side,
-# each vLLM server with 15% of the GPU's memory (EAGLE3_GPU_LANE_OVERRIDES); (B) alone, the
-# figures that are speeds: the pipeline's evaluation (its stages come from A) and extraction
-# vLLM against in-process; (C) the published card's command.
+# each vLLM server with 15% of the GPU's memory (EAGLE3_GPU_LANE_OVERRIDES), extraction's
+# parity among them (its two rates then share the GPU: the alone figures are in
+# docs/benchmarks.md); (B) alone, the speed figures: the pipeline's evaluation (its stages come
+# from A) with its speed check; (C) the published card's command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 G=/tmp/gpu; mkdir -p $G/pieces
@@ -63,14 +64,14 @@ phases)  # what `start` runs in the background: A side by side, then B, then C
     $L::test_the_learning_curve_each_epochs_draft_served &
   lane a2 $G/root_kimi tests/test_kimi_miniature.py &
   lane a3 $G/root_a3 $L::test_online_training_shares_the_one_gpu_with_its_server \
-    $L::test_regeneration_through_vllm_on_the_gpu &
+    $L::test_regeneration_through_vllm_on_the_gpu \
+    $L::test_vllm_extraction_matches_the_in_process_backend_on_the_gpu &
   lane a4 $G/root_a4 $L::test_a_stopped_gpu_training_resumes_and_redoes_no_step \
     tests/test_train_resume.py &
   wait; echo "phase A: $(( $(date +%s) - s )) s" > $G/phases.txt
   unset EAGLE3_GPU_LANE_OVERRIDES
   lane b $G/root $L::test_the_pipeline_serves_its_draft_warm_and_explains_every_divergence \
-    $L::test_the_speed_ratio_agrees_with_an_independent_probe \
-    $L::test_vllm_extraction_matches_the_in_process_backend_on_the_gpu
+    $L::test_the_speed_ratio_agrees_with_an_independent_client_on_the_same_servers
   echo "phase B: $(( $(date +%s) - s )) s" >> $G/phases.txt
   lane c $G/root $L::test_the_published_cards_command_serves_the_draft
   echo "phase C: $(( $(date +%s) - s )) s" >> $G/phases.txt

@@ -129,6 +129,39 @@ def test_the_speed_ratio_pairs_repeats_and_reports_their_spread():
     assert abs(m["speedup_batch"] - 0.925) < 1e-9 and m["target_tok_s_batch"] == 1000.0
 
 
+def test_the_speed_check_flags_a_ratio_more_than_ten_percent_off_the_second_measurement(tmp_path):
+    from runner.schema import typed
+    from stages.evaluate.report import summary
+    from stages.evaluate.speed_check import agreement
+    from tests.conftest import compose
+
+    close = agreement({"c1": 0.50, "batch": 0.30}, {"c1": 0.52, "batch": 0.32})
+    assert close["speed_check_agrees"] == 1
+    assert abs(close["speed_check_c1_diff"] - (0.50 / 0.52 - 1)) < 1e-12
+    # The fourth H200 session's case: the stage 25% and 29% below the probe.
+    far = agreement({"c1": 0.46, "batch": 0.30}, {"c1": 0.62, "batch": 0.42})
+    assert far["speed_check_agrees"] == 0 and far["speed_check_batch"] == 0.42
+    # The summary says which is which, and names a disagreement.
+    metrics = {
+        "acceptance_length": 1.5,
+        "speedup_c1": 0.46,
+        "speedup_c1_std": 0.02,
+        "speedup_batch": 0.30,
+        "speedup_batch_std": 0.03,
+        "speed_repeats": 5,
+        "speed_batch": 80,
+        **far,
+        "draft_compile_cold": 1,
+        "target_compile_cold": 0,
+    }
+    cfg = typed(compose(["hardware=gpu1", "run.output_root=unused"]))
+    lines = summary(metrics, tmp_path, cfg)  # (no manifest: the serve line says where to look)
+    check = next(line for line in lines if line.startswith("speed checked"))
+    assert "0.62x at concurrency 1 (-26%)" in check and "0.42x at batch (-29%)" in check
+    assert "SPEED CHECK DISAGREES" in check
+    assert any("draft-served cold, target alone warm" in line for line in lines)
+
+
 def test_the_sweep_figure_does_not_zoom_a_small_difference_into_a_cliff():
     """Acceptance 1.11 against 1.12 on a y axis from zero, not from 1.11."""
     import matplotlib.pyplot as plt

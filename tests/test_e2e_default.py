@@ -30,6 +30,8 @@ REDUCED = [
     # The warm speed measurement, once, on two prompts (a CPU's figure is for the record only).
     "eval.speed_repeats=1",
     "eval.speed_prompts=2",
+    # ... and again on the same servers by the independent client.
+    "eval.speed_check=true",
 ]
 
 
@@ -145,6 +147,14 @@ def test_acceptance_is_measured_by_vllm(runs):
         and "at batch 6" in speed
         and "says nothing about a GPU" in speed
     )
+    # The second measurement by other code: both ratios, each against the stage's, and a verdict
+    # (not held to 10% here: two prompts on a CPU).
+    speeds = json.loads((first.results["evaluate"].path / "speed.json").read_text())
+    assert all(len(speeds[s]["check"][k]) == 1 for s in speeds for k in ("c1", "batch"))
+    assert m["speed_check_c1"] > 0 and m["speed_check_batch"] > 0
+    assert m["speed_check_c1_diff"] == pytest.approx(m["speedup_c1"] / m["speed_check_c1"] - 1)
+    assert m["speed_check_agrees"] in (0, 1)
+    assert any(line.startswith("speed checked on the same servers") for line in lines)
     assert "teacher_forced_acceptance_length" in m
     # Three servers (draft, target, random draft), each started, logged and stopped by the runner.
     logs = first.results["evaluate"].path / "logs"

@@ -48,6 +48,7 @@ from stages.evaluate.measures import (
 from stages.evaluate.prompt_sets import check_prompt_room, prompt_sets, prompt_sources
 from stages.evaluate.report import columns, figures, results, summary, tables
 from stages.evaluate.serving import random_draft, serve_sets, server_args, tokens_per_s
+from stages.evaluate.speed_check import agreement
 
 _NOT_IN_KEY = ("name", "timeout_s")
 
@@ -71,6 +72,8 @@ def _draft_content(folder: str) -> str | None:
 
 def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     e = dataclasses.asdict(cfg.eval)
+    if not e["speed_check"]:
+        del e["speed_check"]  # off: the same measurement as before the setting existed
     if cfg.eval.draft:
         e["draft"] = _draft_content(cfg.eval.draft)
     return {
@@ -163,6 +166,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
             speeds = {"draft": spec[first]["speed"], "target": target[first]["speed"]}
             (ctx.out / "speed.json").write_text(json.dumps(speeds, indent=1))  # every repeat
             metrics.update(speed_metrics(speeds["draft"], speeds["target"]))
+            if "check" in speeds["draft"]:
+                check = speed_metrics(speeds["draft"]["check"], speeds["target"]["check"])
+                metrics.update(
+                    agreement(
+                        {k: metrics[f"speedup_{k}"] for k in ("c1", "batch")},
+                        {k: check[f"speedup_{k}"] for k in ("c1", "batch")},
+                    )
+                )
+            for server, speed in speeds.items():
+                if speed.get("compile_cache"):
+                    metrics[f"{server}_compile_cold"] = int(speed["compile_cache"] == "cold")
             metrics["speed_repeats"] = repeats
             metrics["speed_batch"] = len(sets[first])
         metrics.update(identity_counts(differs))

@@ -80,6 +80,27 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
                 else ""
             )
         )
+    if "speed_check_agrees" in metrics:
+        diffs = ", ".join(
+            f"{metrics[f'speed_check_{k}']:.2f}x at {where} "
+            f"({metrics[f'speed_check_{k}_diff']:+.0%})"
+            for k, where in (("c1", "concurrency 1"), ("batch", "batch"))
+            if f"speed_check_{k}" in metrics
+        )
+        verdict = "agrees within 10%" if metrics["speed_check_agrees"] else "SPEED CHECK DISAGREES"
+        lines.append(
+            f"speed checked on the same servers by an independent client (eval.speed_check): "
+            f"{diffs} ({verdict}; in brackets the stage's ratio against it)"
+        )
+    cold = {s: metrics.get(f"{s}_compile_cold") for s in ("draft", "target")}
+    if None not in cold.values() and cold["draft"] != cold["target"]:
+        state = {s: "cold" if c else "warm" for s, c in cold.items()}
+        lines.append(
+            f"the two servers' torch.compile caches differed (draft-served {state['draft']}, "
+            f"target alone {state['target']}); on one H200 a ratio from freshly compiled servers "
+            "came out a quarter below one from cached servers (docs/benchmarks.md), so this "
+            "ratio may carry that difference"
+        )
     extra = []
     if same is not None:
         differ = [

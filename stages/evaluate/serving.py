@@ -30,6 +30,7 @@ from runner.vllm_server import (
     request_counters,
     serve,
 )
+from stages.evaluate import speed_check
 
 log = logging.getLogger("runner")
 
@@ -298,7 +299,23 @@ def serve_sets(
                 len(first),
             )
             with quiet_http_logs():
-                out[next(iter(sets))]["speed"] = _speed(server, first, cfg, speed_repeats)
+                speed: dict[str, Any] = _speed(server, first, cfg, speed_repeats)
+            if cfg.eval.speed_check:
+                log.info(
+                    "[evaluate] %s: the speed again, by an independent client (eval.speed_check)",
+                    label,
+                )
+                speed["check"] = speed_check.measure(
+                    server.base,
+                    server.model_id,
+                    first,
+                    cfg.eval.speed_prompts,
+                    cfg.eval.max_new_tokens,
+                    speed_repeats,
+                )
+            if isinstance(server, VllmServer):
+                speed["compile_cache"] = server.compile_cache()
+            out[next(iter(sets))]["speed"] = speed
     return server.start_s, out
 
 

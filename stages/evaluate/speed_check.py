@@ -1,0 +1,111 @@
+"""A second measurement of an evaluation server's speed by other code, on the same warm server,
+right after the stage's own timing (`eval.speed_check`), so that the ratio a user is shown is
+checked by a measurement that shares nothing with it but the server and the prompts.
+
+What differs from the stage's timing (serving._speed): the client (plain HTTP from a pool of
+threads, urllib, not asyncio and aiohttp), the warm-up (two untimed passes of its own), and the
+count (the server's `usage`, summed per pass by this code). benchmarks/speed_probe.py measures
+fresh servers with this same client.
+
+    rates = measure(server.base, server.model_id, prompts, c1_prompts=16, max_tokens=96,
+                    repeats=5)   # {"c1": [tok/s, ...], "batch": [tok/s, ...]}
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+import urllib.request
+from typing import Any
+
+from runner.prompts import Prompt, messages
+
+# Untimed passes (concurrency 1, then the batch) before the timed ones.
+WARM_PASSES = 2
+# The most the two measurements of a ratio may differ by before the check says they disagree:
+# the goal of the GPU issue (docs/gpu.md), above the spread of one server's repeats measured on
+# the H200 (sd of the per-repeat ratios 0.02 to 0.06).
+AGREE_WITHIN = 0.10
+
+
+def _completion_tokens(base: str, body: dict[str, Any], timeout_s: float) -> int:
+    request = urllib.request.Request(
+        f"{base}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as r:
+        return int(json.loads(r.read())["usage"]["completion_tokens"])
+
+
+def rate(
+    base: str,
+    model: str,
+    prompts: list[Prompt],
+    max_tokens: int,
+    at_once: bool,
+    timeout_s: float = 600.0,
+) -> float:
+    """Generated tokens per second over `prompts`, greedy, one after another or all at once
+    (one thread each)."""
+
+    def one(prompt: Prompt) -> int:
+        body = {
+            "model": model,
+            "messages": messages(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "seed": 0,
+        }
+        return _completion_tokens(base, body, timeout_s)
+
+    t0 = time.perf_counter()
+    if at_once:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            tokens = sum(pool.map(one, prompts))
+    else:
+        tokens = sum(one(p) for p in prompts)
+    return tokens / (time.perf_counter() - t0)
+
+
+def measure(
+    base: str,
+    model: str,
+    prompts: list[Prompt],
+    c1_prompts: int,
+    max_tokens: int,
+    repeats: int,
+    warm_passes: int = WARM_PASSES,
+) -> dict[str, list[float]]:
+    """Both rates, `repeats` times each after `warm_passes` untimed passes: at concurrency 1 over
+    the first `c1_prompts` prompts and at the batch of all of them."""
+    out: dict[str, list[float]] = {"c1": [], "batch": []}
+    for timed in [False] * warm_passes + [True] * repeats:
+        for kind, chosen, at_once in (
+            ("c1", prompts[:c1_prompts], False),
+            ("batch", prompts, True),
+        ):
+            got = rate(base, model, chosen, max_tokens, at_once)
+            if timed:
+                out[kind].append(got)
+    return out
+
+
+def agreement(stage: dict[str, float], check: dict[str, float]) -> dict[str, Any]:
+    """The check's ratios beside the stage's: for each of c1 and batch, the check's ratio and the
+    stage's relative difference from it; `speed_check_agrees` is 1 when every one is within
+    AGREE_WITHIN."""
+    out: dict[str, Any] = {}
+    ok = True
+    for kind, theirs in check.items():
+        ours = stage.get(kind)
+        if ours is None or not theirs:
+            continue
+        diff = ours / theirs - 1
+        out[f"speed_check_{kind}"] = theirs
+        out[f"speed_check_{kind}_diff"] = diff
+        ok = ok and abs(diff) <= AGREE_WITHIN
+    if out:
+        out["speed_check_agrees"] = int(ok)
+    return out
