@@ -90,8 +90,9 @@ fetch)
   grep -a "^BENCH" $G/bench.log > $OUT/bench.txt 2>/dev/null
   for f in $G/*.log $G/phases.txt; do [ -f "$f" ] && [ "$f" != $G/install.log ] && cp "$f" $OUT/; done
   cat $G/*.log | grep -a "GPU-FIGURES" > $OUT/figures.txt 2>/dev/null
+  cp $G/speed_*.json $OUT/ 2>/dev/null  # benchmarks/h200_speed_check.sh's repeats
   tar -czf $OUT/logs.tar.gz -C $G --exclude='*.safetensors' --exclude='*.pt' --exclude='*.npy' --exclude='*.arrow' \
-    root/store/evaluate root/store/extract 2>/dev/null
+    root/store/evaluate root/store/extract root_speed/store/evaluate 2>/dev/null
   ls -l $OUT ;;
 stop)  # (bracketed patterns: a pattern must not match the command line of the call that runs it)
   pkill -f "gpu_lane.sh [p]hases"; pkill -f "pytest -m [g]pu"; pkill -f "[b]enchmarks\."
