@@ -56,8 +56,8 @@ def measure(
     with VllmServer(words, {**os.environ, **env}, log, f"probe:{label}", 1800.0) as server:
         model = server.served_model()
         rates = speed_check.measure(
-            server.base, model, prompts, c1_prompts, max_tokens, repeats, warm_passes=3
-        )
+            {label: (server.base, model)}, prompts, c1_prompts, max_tokens, repeats, warm_passes=3
+        )[label]
         start_s = server.start_s
         compiled = server.compile_cache()
     out = {k: statistics.median(v) for k, v in rates.items()}

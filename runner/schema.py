@@ -61,6 +61,16 @@ class Interconnect(StrEnum):
     none = "none"
 
 
+class SpeedServers(StrEnum):
+    # Both evaluation servers up at once, each with half of the memory settings, the timed passes
+    # alternating between them: whatever slows the machine for a while slows both.
+    together = "together"
+    # One server after the other (a target only one server at a time can hold).
+    apart = "apart"
+    # together where the target's weights take at most a quarter of a GPU, else apart.
+    auto = "auto"
+
+
 class ExtractBackend(StrEnum):
     # In-process transformers forward with hooks (small and medium targets).
     transformers = "transformers"
@@ -809,6 +819,10 @@ class EvalConfig:
     # summary gives both ratios and says whether they agree within 10%. Costs the same time as
     # the timing again.
     speed_check: bool = False
+    # How the two servers the speed ratio compares are timed (SpeedServers above): on one H200 a
+    # server's rate moved by up to 40% from one pass to the next within a minute, with either
+    # client, so a ratio of servers timed minutes apart carries that.
+    speed_servers: SpeedServers = SpeedServers.auto
     # Seconds allowed for generating all prompts on one vLLM server (start-up not included).
     timeout_s: int = 1800
 

@@ -378,8 +378,8 @@ class VllmServer(_ServerApi):
     def compile_cache(self) -> str | None:
         """Whether this start compiled its torch.compile graphs ("cold") or loaded every one from
         vLLM's compile cache ("warm"), from its log; None where nothing was compiled (eager, the
-        CPU) or the log does not say. On one H200 a cold-compiled server measured slower than a
-        warm one of the same command (docs/benchmarks.md), so a speed figure records it."""
+        CPU) or the log does not say. A speed figure records it beside its rates: a fresh machine
+        compiles, a later start of the same command loads (docs/benchmarks.md compares both)."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:

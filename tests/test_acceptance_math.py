@@ -153,13 +153,45 @@ def test_the_speed_check_flags_a_ratio_more_than_ten_percent_off_the_second_meas
         **far,
         "draft_compile_cold": 1,
         "target_compile_cold": 0,
+        "speed_servers_together": 1,
     }
     cfg = typed(compose(["hardware=gpu1", "run.output_root=unused"]))
     lines = summary(metrics, tmp_path, cfg)  # (no manifest: the serve line says where to look)
     check = next(line for line in lines if line.startswith("speed checked"))
     assert "0.62x at concurrency 1 (-26%)" in check and "0.42x at batch (-29%)" in check
     assert "SPEED CHECK DISAGREES" in check
-    assert any("draft-served cold, target alone warm" in line for line in lines)
+    speed = next(line for line in lines if line.startswith("speed, warm"))
+    assert "both servers up, passes alternating" in speed
+    assert "compiled: draft-served cold, target cached" in speed
+
+
+def test_two_servers_side_by_side_take_half_the_memory_and_alternate_their_passes():
+    from runner.schema import typed
+    from stages.evaluate.serving import TOGETHER_WEIGHTS_SHARE, alternating, halved, together
+    from tests.conftest import compose
+
+    args = ["--gpu-memory-utilization", "0.85", "--kv-cache-memory-bytes", "1073741824", "--x"]
+    assert halved(args) == [
+        "--gpu-memory-utilization",
+        "0.425",
+        "--kv-cache-memory-bytes",
+        "536870912",
+        "--x",
+    ]
+    assert alternating(["draft", "target"], 3) == [
+        ["draft", "target"],
+        ["target", "draft"],
+        ["draft", "target"],
+    ]
+    gpu = typed(compose(["hardware=gpu1", "run.output_root=unused"]))
+    gib = 1 << 30
+    assert together(gpu, 0.3 * gib, 141.0)[0]  # a 135M target on an H200
+    assert not together(gpu, TOGETHER_WEIGHTS_SHARE * 141 * gib * 1.01, 141.0)[0]
+    assert not together(gpu, 0.3 * gib, None)[0]  # memory not known: apart
+    kimi = typed(compose(["model=kimi_k25", "hardware=blackwell8", "run.output_root=unused"]))
+    assert not together(kimi, 75 * gib, 96.0)[0]  # 1T parameters at TP 8: one at a time
+    forced = typed(compose(["hardware=gpu1", "eval.speed_servers=apart", "run.output_root=u"]))
+    assert together(forced, 0.3 * gib, 141.0) == (False, "eval.speed_servers=apart")
 
 
 def test_the_sweep_figure_does_not_zoom_a_small_difference_into_a_cliff():

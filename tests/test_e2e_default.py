@@ -30,7 +30,9 @@ REDUCED = [
     # The warm speed measurement, once, on two prompts (a CPU's figure is for the record only).
     "eval.speed_repeats=1",
     "eval.speed_prompts=2",
-    # ... and again on the same servers by the independent client.
+    # ... both servers up at once, their passes alternating, and again on the same servers by
+    # the independent client.
+    "eval.speed_servers=together",
     "eval.speed_check=true",
 ]
 
@@ -142,6 +144,7 @@ def test_acceptance_is_measured_by_vllm(runs):
     assert m["speed_batch"] == 6 and m["speed_repeats"] == 1
     assert m["speedup_c1"] > 0 and m["speedup_batch"] > 0 and m["target_tok_s_c1"] > 0
     speed = next(line for line in lines if line.startswith("speed, warm"))
+    assert m["speed_servers_together"] == 1 and "both servers up, passes alternating" in speed
     assert (
         "at concurrency 1" in speed
         and "at batch 6" in speed

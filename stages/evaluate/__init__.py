@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from runner.prompts import shown, user_turns
 from runner.schema import RunnerConfig
 from runner.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.store import damage
-from runner.target_facts import ModelFacts, target_context
+from runner.target_facts import ModelFacts, target_context, weight_bytes
 from runner.versions import VLLM_DISTS
 from runner.vllm_server import shell_command
 from stages.evaluate.measures import (
@@ -47,9 +48,18 @@ from stages.evaluate.measures import (
 )
 from stages.evaluate.prompt_sets import check_prompt_room, prompt_sets, prompt_sources
 from stages.evaluate.report import columns, figures, results, summary, tables
-from stages.evaluate.serving import random_draft, serve_sets, server_args, tokens_per_s
+from stages.evaluate.serving import (
+    gpu_memory_gib,
+    random_draft,
+    serve_sets,
+    serve_together,
+    server_args,
+    together,
+    tokens_per_s,
+)
 from stages.evaluate.speed_check import agreement
 
+log = logging.getLogger("runner")
 _NOT_IN_KEY = ("name", "timeout_s")
 
 
@@ -74,6 +84,8 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     e = dataclasses.asdict(cfg.eval)
     if not e["speed_check"]:
         del e["speed_check"]  # off: the same measurement as before the setting existed
+    if e["speed_servers"] == "auto":
+        del e["speed_servers"]  # (likewise)
     if cfg.eval.draft:
         e["draft"] = _draft_content(cfg.eval.draft)
     return {
@@ -128,8 +140,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
     existing = cfg.hardware.vllm.endpoint is not None
     comparing = e.compare_target and not existing
     repeats = speed_repeats(cfg) if comparing else 0
-    start_s, spec = serve_sets(cfg, ctx.facts, draft, sets, "draft", logs, speed_repeats=repeats)
+    paired, why = together(cfg, _weights_per_gpu(cfg, ctx.facts), gpu_memory_gib(cfg))
+    target: dict[str, dict] = {}
+    if comparing and paired:
+        log.info("[evaluate] both servers at once, their timed passes alternating (%s)", why)
+        start_s, spec, target = serve_together(cfg, ctx.facts, draft, sets, logs, repeats)
+    else:
+        start_s, spec = serve_sets(
+            cfg, ctx.facts, draft, sets, "draft", logs, speed_repeats=repeats
+        )
     metrics: dict[str, Any] = {"server_start_s": start_s}
+    if repeats:
+        metrics["speed_servers_together"] = int(comparing and paired)
     for name, result in spec.items():
         # The first set's figures are the run's own; another set's carry its name as a prefix.
         pre = "" if name == first else f"{name}/"
@@ -151,9 +173,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if existing:
         ctx.manifest["served_by"] = cfg.hardware.vllm.endpoint
     if comparing:
-        _, target = serve_sets(
-            cfg, ctx.facts, None, sets, "target", logs, likeliest=True, speed_repeats=repeats
-        )
+        if not target:
+            _, target = serve_sets(
+                cfg, ctx.facts, None, sets, "target", logs, likeliest=True, speed_repeats=repeats
+            )
         for name, result in target.items():
             pre = "" if name == first else f"{name}/"
             rows = zip(
@@ -220,6 +243,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return metrics
 
 
+def _weights_per_gpu(cfg: RunnerConfig, facts: ModelFacts) -> float | None:
+    """The target's weights on each GPU: its folder's weight files over the tensor-parallel
+    size (None where the folder holds none that are known)."""
+    files = [f for f in Path(facts.path).glob("*") if f.suffix in (".safetensors", ".bin", ".pt")]
+    total = sum(f.stat().st_size for f in files)
+    return total / cfg.hardware.tensor_parallel_size if total else None
+
+
 def speed_repeats(cfg: RunnerConfig) -> int:
     """eval.speed_repeats, or its default: 5 on a GPU, none on a CPU (vLLM's CPU build runs
     speculative decoding slower than the target alone: its ratio says nothing about serving)."""
@@ -260,6 +291,21 @@ def plan(p: Plan, view: PlanView) -> None:
         return
     if cfg.hardware.device == "cuda" and (estimate := cost(view)):
         p.add_cost("evaluate", estimate, estimate)
+    if cfg.eval.compare_target and not cfg.hardware.vllm.endpoint and speed_repeats(cfg):
+        w = weight_bytes(view.target.layout, view.target.config, cfg.model.weights_gib)
+        per_gpu = w.bytes / cfg.hardware.tensor_parallel_size if w.certain else None
+        paired, why = together(cfg, per_gpu, gpu_memory_gib(cfg))
+        how = (
+            "both servers at once, each with half the memory, their timed passes alternating"
+            if paired
+            else "the draft-served server, then the target alone"
+        )
+        p.add(
+            "speed",
+            f"{speed_repeats(cfg)} warm repeats at concurrency 1 and at batch; {how} ({why}; "
+            "eval.speed_servers)"
+            + (", checked by a second client (eval.speed_check)" if cfg.eval.speed_check else ""),
+        )
     if cfg.eval.draft:
         from runner.transfer import packed_reason
 

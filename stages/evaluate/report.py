@@ -69,7 +69,9 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
     if "speedup_c1" in metrics:
         lines.append(
             f"speed, warm, draft-served over the target alone ({metrics['speed_repeats']:.0f} "
-            f"repeats; ratio of median tokens/s ± sd of the per-repeat ratios): "
+            f"repeat{'' if metrics['speed_repeats'] == 1 else 's'}{_timing(metrics)}; ratio of "
+            "median tokens/s ± sd of the per-repeat "
+            "ratios): "
             f"{metrics['speedup_c1']:.2f}x ± "
             f"{metrics['speedup_c1_std']:.2f} at concurrency 1, {metrics['speedup_batch']:.2f}x "
             f"± {metrics['speedup_batch_std']:.2f} at batch {metrics['speed_batch']:.0f}"
@@ -92,15 +94,6 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
             f"speed checked on the same servers by an independent client (eval.speed_check): "
             f"{diffs} ({verdict}; in brackets the stage's ratio against it)"
         )
-    cold = {s: metrics.get(f"{s}_compile_cold") for s in ("draft", "target")}
-    if None not in cold.values() and cold["draft"] != cold["target"]:
-        state = {s: "cold" if c else "warm" for s, c in cold.items()}
-        lines.append(
-            f"the two servers' torch.compile caches differed (draft-served {state['draft']}, "
-            f"target alone {state['target']}); on one H200 a ratio from freshly compiled servers "
-            "came out a quarter below one from cached servers (docs/benchmarks.md), so this "
-            "ratio may carry that difference"
-        )
     extra = []
     if same is not None:
         differ = [
@@ -120,6 +113,22 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
     if extra:
         lines.append(", ".join(extra))
     return [*lines, f"serve it: {serve_command(cfg, path)}"]
+
+
+def _timing(metrics: Mapping[str, Any]) -> str:
+    """How the two servers were timed, and whether each compiled its graphs in this start."""
+    out = ""
+    if "speed_servers_together" in metrics:
+        out += (
+            ", both servers up, passes alternating"
+            if metrics["speed_servers_together"]
+            else ", one server after the other"
+        )
+    cold = {s: metrics.get(f"{s}_compile_cold") for s in ("draft", "target")}
+    if None not in cold.values():
+        state = {s: "cold" if c else "cached" for s, c in cold.items()}
+        out += f", compiled: draft-served {state['draft']}, target {state['target']}"
+    return out
 
 
 def serve_command(cfg: RunnerConfig, path: Path) -> str:

@@ -8,6 +8,7 @@ around it, per-prompt counts, the likeliest tokens for the identity check, and w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -153,25 +154,36 @@ def _warm(server: VllmServer | ExistingServer, prompts: list[Prompt], cfg: Runne
     asyncio.run(_generate_all(server, prompts[:8], cfg))
 
 
+Server = VllmServer | ExistingServer
+
+
+def alternating(labels: list[str], passes: int) -> list[list[str]]:
+    """The order the servers are timed in at each pass: the first order, then its reverse, and so
+    on (A B, B A, A B, ...), so that a drift that runs through a pair of passes cancels."""
+    return [labels if i % 2 == 0 else labels[::-1] for i in range(passes)]
+
+
 def _speed(
-    server: VllmServer | ExistingServer, prompts: list[Prompt], cfg: RunnerConfig, repeats: int
-) -> dict[str, list[float]]:
-    """Generated tokens per second, warm, `repeats` times each: at concurrency 1 (the first
-    eval.speed_prompts prompts one after another) and at the evaluation's batch (the set's
-    prompts all at once). One pass of both comes first, untimed: the batch's shapes are new to
-    the server after the warm-up, and the first pass at them ran slower."""
-    out: dict[str, list[float]] = {"c1": [], "batch": []}
+    servers: dict[str, Server], prompts: list[Prompt], cfg: RunnerConfig, repeats: int
+) -> dict[str, dict[str, Any]]:
+    """Generated tokens per second of each server, warm, `repeats` times each: at concurrency 1
+    (the first eval.speed_prompts prompts one after another) and at the evaluation's batch (the
+    set's prompts all at once). One pass of both comes first, untimed: the batch's shapes are new
+    to a server after the warm-up, and the first pass at them ran slower. With several servers
+    up, each pass times them in turn, in alternating order."""
+    out: dict[str, dict[str, Any]] = {label: {"c1": [], "batch": []} for label in servers}
     few = prompts[: cfg.eval.speed_prompts]
-    for timed in [False] + [True] * repeats:
+    for i, order in enumerate(alternating(list(servers), 1 + repeats)):
         for kind, chosen, alone in (("c1", few, True), ("batch", prompts, False)):
-            rate = asyncio.run(_rate(server, chosen, cfg, one_at_a_time=alone))
-            if timed:
-                out[kind].append(rate)
+            for label in order:
+                rate = asyncio.run(_rate(servers[label], chosen, cfg, one_at_a_time=alone))
+                if i > 0:
+                    out[label][kind].append(rate)
     return out
 
 
 async def _rate(
-    server: VllmServer | ExistingServer,
+    server: Server,
     prompts: list[Prompt],
     cfg: RunnerConfig,
     one_at_a_time: bool,
@@ -210,6 +222,105 @@ async def _rate(
         return sum(tokens) / (time.perf_counter() - t0)
 
 
+def _timed(
+    servers: dict[str, Server], first: list[Prompt], cfg: RunnerConfig, repeats: int
+) -> dict[str, dict[str, Any]]:
+    """Each server's speed (`_speed`), then, with eval.speed_check, the same again by the
+    independent client, and whether each server's graphs were compiled in this start."""
+    log.info(
+        "[evaluate] %s: timing (1 untimed pass, then %d timed) at concurrency 1 and at batch %d%s",
+        " and ".join(servers),
+        repeats,
+        len(first),
+        ", the servers' passes alternating" if len(servers) > 1 else "",
+    )
+    with quiet_http_logs():
+        speed = _speed(servers, first, cfg, repeats)
+    if cfg.eval.speed_check:
+        log.info("[evaluate] the speed again, by an independent client (eval.speed_check)")
+        checked = speed_check.measure(
+            {label: (s.base, s.model_id) for label, s in servers.items()},
+            first,
+            cfg.eval.speed_prompts,
+            cfg.eval.max_new_tokens,
+            repeats,
+        )
+        for label in servers:
+            speed[label]["check"] = checked[label]
+    for label, s in servers.items():
+        if isinstance(s, VllmServer):
+            speed[label]["compile_cache"] = s.compile_cache()
+    return speed
+
+
+def _generate_sets(
+    server: Server,
+    sets: dict[str, list[Prompt]],
+    cfg: RunnerConfig,
+    label: str,
+    drafting: bool,
+    likeliest: bool,
+) -> dict[str, dict]:
+    """Warm `server`, then generate each prompt set in turn, its counters read around it; per
+    set, the outputs and counters (`drafting`: the server serves a draft)."""
+    out: dict[str, dict] = {}
+    with quiet_http_logs():
+        _warm(server, next(iter(sets.values())), cfg)
+    for name, prompts in sets.items():
+        before = server.spec_decode_counters()
+        t0 = time.time()
+        with quiet_http_logs():
+            outs = asyncio.run(_generate_all(server, prompts, cfg, likeliest=likeliest))
+        gen_s = time.time() - t0
+        # Counters are cumulative since start; the difference is exactly these prompts.
+        counters = counters_delta(server.spec_decode_counters(), before) if drafting else None
+        if any(o.choices[0].token_ids is None for o in outs):
+            # Without them "identical to the target" would compare empty lists.
+            raise StageError(
+                "vLLM returned no generated token ids (request field return_token_ids); this "
+                "vLLM is too old for the evaluation, see hardware.vllm.command"
+            )
+        if counters is not None and counters["drafts"] == 0:
+            raise StageError(
+                f"vLLM served the draft but counted no speculative drafts on {name}; see "
+                f"{server.log_path}"
+            )
+        accepted = (
+            f", acceptance length {1 + counters['accepted'] / counters['drafts']:.3f}"
+            if counters
+            else ""
+        )
+        log.info(
+            "[evaluate] %s: %s, %d prompts generated in %.1f s%s",
+            label,
+            name,
+            len(prompts),
+            gen_s,
+            accepted,
+        )
+        per_prompt, source = _per_prompt(server, prompts, outs, cfg) if drafting else ([], "")
+        out[name] = {
+            "per_prompt": per_prompt,
+            "per_prompt_source": source,
+            "generate_s": gen_s,
+            "token_ids": [list(o.choices[0].token_ids) for o in outs],
+            "texts": [o.choices[0].message.content or "" for o in outs],
+            "prompt_tokens": [o.usage.prompt_tokens for o in outs],
+            "counters": counters,
+            **({"likeliest": [_likeliest(o.choices[0]) for o in outs]} if likeliest else {}),
+        }
+    return out
+
+
+def _announce(label: str, sets: dict[str, list[Prompt]]) -> None:
+    log.info(
+        "[evaluate] %s: %s on a vLLM server (its log: logs/vllm_%s.log)",
+        label,
+        ", ".join(f"{len(p)} {name} prompts" for name, p in sets.items()),
+        label,
+    )
+
+
 def serve_sets(
     cfg: RunnerConfig,
     facts: ModelFacts,
@@ -224,12 +335,7 @@ def serve_sets(
     in turn (its counters read around it), measure its speed on the first set (warm,
     `speed_repeats` times), and stop it. Returns the start-up seconds and, per set, the outputs
     and counters (the first set's with "speed")."""
-    log.info(
-        "[evaluate] %s: %s on a vLLM server (its log: logs/vllm_%s.log)",
-        label,
-        ", ".join(f"{len(p)} {name} prompts" for name, p in sets.items()),
-        label,
-    )
+    _announce(label, sets)
     server = serve(
         cfg,
         facts.path,
@@ -237,86 +343,118 @@ def serve_sets(
         logs / f"vllm_{label}.log",
         label=f"evaluate:{label}",
     )
-    out: dict[str, dict] = {}
     # (`logs` is in the stage's scratch folder: a failed evaluation keeps its servers' logs there.)
     with server:
-        first = next(iter(sets.values()))
-        with quiet_http_logs():
-            _warm(server, first, cfg)
-        for name, prompts in sets.items():
-            before = server.spec_decode_counters()
-            t0 = time.time()
-            with quiet_http_logs():
-                outs = asyncio.run(_generate_all(server, prompts, cfg, likeliest=likeliest))
-            gen_s = time.time() - t0
-            # Counters are cumulative since start; the difference is exactly these prompts.
-            counters = (
-                counters_delta(server.spec_decode_counters(), before) if draft is not None else None
-            )
-            if any(o.choices[0].token_ids is None for o in outs):
-                # Without them "identical to the target" would compare empty lists.
-                raise StageError(
-                    "vLLM returned no generated token ids (request field return_token_ids); this "
-                    "vLLM is too old for the evaluation, see hardware.vllm.command"
-                )
-            if counters is not None and counters["drafts"] == 0:
-                raise StageError(
-                    f"vLLM served the draft but counted no speculative drafts on {name}; see "
-                    f"{server.log_path}"
-                )
-            accepted = (
-                f", acceptance length {1 + counters['accepted'] / counters['drafts']:.3f}"
-                if counters
-                else ""
-            )
-            log.info(
-                "[evaluate] %s: %s, %d prompts generated in %.1f s%s",
-                label,
-                name,
-                len(prompts),
-                gen_s,
-                accepted,
-            )
-            per_prompt, source = (
-                _per_prompt(server, prompts, outs, cfg) if draft is not None else ([], "")
-            )
-            out[name] = {
-                "per_prompt": per_prompt,
-                "per_prompt_source": source,
-                "generate_s": gen_s,
-                "token_ids": [list(o.choices[0].token_ids) for o in outs],
-                "texts": [o.choices[0].message.content or "" for o in outs],
-                "prompt_tokens": [o.usage.prompt_tokens for o in outs],
-                "counters": counters,
-                **({"likeliest": [_likeliest(o.choices[0]) for o in outs]} if likeliest else {}),
-            }
+        out = _generate_sets(server, sets, cfg, label, draft is not None, likeliest)
         if speed_repeats:
-            log.info(
-                "[evaluate] %s: timing (1 untimed pass, then %d timed) at concurrency 1 and at "
-                "batch %d",
-                label,
-                speed_repeats,
-                len(first),
-            )
-            with quiet_http_logs():
-                speed: dict[str, Any] = _speed(server, first, cfg, speed_repeats)
-            if cfg.eval.speed_check:
-                log.info(
-                    "[evaluate] %s: the speed again, by an independent client (eval.speed_check)",
-                    label,
-                )
-                speed["check"] = speed_check.measure(
-                    server.base,
-                    server.model_id,
-                    first,
-                    cfg.eval.speed_prompts,
-                    cfg.eval.max_new_tokens,
-                    speed_repeats,
-                )
-            if isinstance(server, VllmServer):
-                speed["compile_cache"] = server.compile_cache()
-            out[next(iter(sets))]["speed"] = speed
+            first = next(iter(sets.values()))
+            out[next(iter(sets))]["speed"] = _timed({label: server}, first, cfg, speed_repeats)[
+                label
+            ]
     return server.start_s, out
+
+
+def halved(args: list[str]) -> list[str]:
+    """Server flags with the memory they may take halved (--gpu-memory-utilization and
+    --kv-cache-memory-bytes): two servers side by side on the same devices."""
+    out = list(args)
+    for flag, kind in (("--gpu-memory-utilization", float), ("--kv-cache-memory-bytes", int)):
+        if flag in out:
+            i = out.index(flag) + 1
+            out[i] = str(kind(float(out[i]) / 2))
+    return out
+
+
+def serve_together(
+    cfg: RunnerConfig,
+    facts: ModelFacts,
+    draft: Path,
+    sets: dict[str, list[Prompt]],
+    logs: Path,
+    speed_repeats: int,
+) -> tuple[float, dict[str, dict], dict[str, dict]]:
+    """The draft-served server and the target alone up at once (eval.speed_servers), each with
+    half of the memory settings: the draft's server starts first; the target's starts while the
+    draft's generates (untimed), then generates with its likeliest tokens; then both are timed
+    with their passes alternating, so that the ratio compares rates measured seconds apart.
+    Returns the draft server's start-up seconds and both servers' results as serve_sets gives
+    them (the first set's with "speed")."""
+    servers: dict[str, VllmServer] = {}
+    for label, d in (("draft", draft), ("target", None)):
+        servers[label] = VllmServer.from_config(
+            cfg,
+            facts.path,
+            halved(server_args(cfg, d)),
+            logs / f"vllm_{label}.log",
+            label=f"evaluate:{label}",
+        )
+    with contextlib.ExitStack() as stack:
+        for s in servers.values():
+            stack.callback(s.stop)
+        _announce("draft", sets)
+        servers["draft"].start()
+        servers["draft"].wait_ready()
+        log.info("[evaluate] target: starting beside the draft's server (eval.speed_servers)")
+        servers["target"].start()
+        spec = _generate_sets(servers["draft"], sets, cfg, "draft", True, likeliest=False)
+        _announce("target", sets)
+        servers["target"].wait_ready()
+        target = _generate_sets(servers["target"], sets, cfg, "target", False, likeliest=True)
+        if speed_repeats:
+            first_name = next(iter(sets))
+            speed = _timed(dict(servers), sets[first_name], cfg, speed_repeats)
+            spec[first_name]["speed"] = speed["draft"]
+            target[first_name]["speed"] = speed["target"]
+    return servers["draft"].start_s or 0.0, spec, target
+
+
+def together(
+    cfg: RunnerConfig, weights_per_gpu: float | None, gpu_memory_gib: float | None
+) -> tuple[bool, str]:
+    """Whether the evaluation's two servers run at once (eval.speed_servers), and why."""
+    choice = cfg.eval.speed_servers
+    if cfg.hardware.vllm.endpoint or not cfg.eval.compare_target:
+        return False, "one server"
+    if choice != "auto":
+        return choice == "together", f"eval.speed_servers={choice}"
+    if cfg.hardware.device != "cuda":
+        return False, "auto: apart on a CPU"
+    if not (weights_per_gpu and gpu_memory_gib):
+        return False, (
+            "auto: apart, the GPU's memory is not known (hardware.gpu_memory_gib) or the "
+            "weights' size"
+        )
+    share = weights_per_gpu / (gpu_memory_gib * (1 << 30))
+    if share <= TOGETHER_WEIGHTS_SHARE:
+        return True, f"auto: the target's weights take {share:.1%} of a GPU"
+    return False, f"auto: apart, the target's weights take {share:.0%} of a GPU"
+
+
+# Two servers each hold the target's weights; at most this share of a GPU each leaves both half
+# the memory with room for their KV caches.
+TOGETHER_WEIGHTS_SHARE = 0.25
+
+
+def gpu_memory_gib(cfg: RunnerConfig) -> float | None:
+    """hardware.gpu_memory_gib, else the first visible GPU's memory as nvidia-smi reports it."""
+    if cfg.hardware.gpu_memory_gib:
+        return cfg.hardware.gpu_memory_gib
+    import shutil
+    import subprocess
+
+    if cfg.hardware.device != "cuda" or shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.split()
+        return float(out[0]) / 1024 if out else None
+    except (subprocess.SubprocessError, OSError, ValueError):
+        return None
 
 
 def random_draft(train_manifest: dict, dest: Path) -> Path:

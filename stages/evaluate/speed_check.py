@@ -7,8 +7,8 @@ threads, urllib, not asyncio and aiohttp), the warm-up (two untimed passes of it
 count (the server's `usage`, summed per pass by this code). benchmarks/speed_probe.py measures
 fresh servers with this same client.
 
-    rates = measure(server.base, server.model_id, prompts, c1_prompts=16, max_tokens=96,
-                    repeats=5)   # {"c1": [tok/s, ...], "batch": [tok/s, ...]}
+    rates = measure({"draft": (base, model_id), ...}, prompts, c1_prompts=16, max_tokens=96,
+                    repeats=5)   # {"draft": {"c1": [tok/s, ...], "batch": [...]}, ...}
 """
 
 from __future__ import annotations
@@ -70,25 +70,30 @@ def rate(
 
 
 def measure(
-    base: str,
-    model: str,
+    servers: dict[str, tuple[str, str]],
     prompts: list[Prompt],
     c1_prompts: int,
     max_tokens: int,
     repeats: int,
     warm_passes: int = WARM_PASSES,
-) -> dict[str, list[float]]:
-    """Both rates, `repeats` times each after `warm_passes` untimed passes: at concurrency 1 over
-    the first `c1_prompts` prompts and at the batch of all of them."""
-    out: dict[str, list[float]] = {"c1": [], "batch": []}
-    for timed in [False] * warm_passes + [True] * repeats:
+) -> dict[str, dict[str, list[float]]]:
+    """Each server's two rates (`servers`: label -> (base URL, model id)), `repeats` times each
+    after `warm_passes` untimed passes: at concurrency 1 over the first `c1_prompts` prompts and
+    at the batch of all of them. Several servers are timed in turn at every pass, the order
+    reversed from one pass to the next."""
+    out: dict[str, dict[str, list[float]]] = {label: {"c1": [], "batch": []} for label in servers}
+    labels = list(servers)
+    for i in range(warm_passes + repeats):
+        order = labels if i % 2 == 0 else labels[::-1]
         for kind, chosen, at_once in (
             ("c1", prompts[:c1_prompts], False),
             ("batch", prompts, True),
         ):
-            got = rate(base, model, chosen, max_tokens, at_once)
-            if timed:
-                out[kind].append(got)
+            for label in order:
+                base, model = servers[label]
+                got = rate(base, model, chosen, max_tokens, at_once)
+                if i >= warm_passes:
+                    out[label][kind].append(got)
     return out
 
 
