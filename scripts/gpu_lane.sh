@@ -83,6 +83,8 @@ wait)
     [ "$f" = $G/install.log ] && continue
     echo "--- $(basename $f) $([ -f ${f%.log}.rc ] && echo "exit $(cat ${f%.log}.rc)" || echo running)"
     grep -a "PASSED\|FAILED\|ERROR\|passed\|failed" $f | cut -c1-300 | tail -4
+    # A failure's own lines at once: a machine that goes back takes the log with it.
+    grep -a "^E " $f | head -12 | cut -c1-300
     tr '\r' '\n' < $f | grep -v '^\s*$' | tail -2 | cut -c1-250
   done
   [ -f $G/lane.rc ] && echo "finished: exit $(cat $G/lane.rc)" || echo running ;;
