@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 
 from tests.conftest import (
-    REPO,
     make_tiny_llama,
     run_runner,
     run_until,
-    runner_env,
+    start_runner,
     tiny_overrides,
 )
 from tests.test_faults import (
@@ -154,17 +153,7 @@ def main() -> int:
 
     root = base / "concurrent"
     cmd = _cmd(model, data, root, "run.stages=[prepare]")
-    procs = [
-        subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=runner_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _ in range(2)
-    ]
+    procs = [start_runner(cmd) for _ in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     row(
         "two first runs at once",
@@ -223,14 +212,7 @@ def main() -> int:
         root = base / f"pool-{sig.name}"
         mark = f"bench-{sig.name}-{os.getpid()}"
         cmd = _cmd(model, long_data, root, "data.num_samples=60000", "data.num_proc=2")
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env={**runner_env(), "EAGLE3_TEST_MARK": mark},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        proc = start_runner(cmd, {"EAGLE3_TEST_MARK": mark})
         while len(_marked(mark, "spawn_main")) < 2 and proc.poll() is None:
             time.sleep(0.2)
         time.sleep(1.0)

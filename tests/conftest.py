@@ -104,11 +104,28 @@ def run_runner(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProc
     )
 
 
+def start_runner(
+    cmd: list[str],
+    env: dict[str, str] | None = None,
+    new_session: bool = False,
+    stdout: int = subprocess.PIPE,
+) -> subprocess.Popen:
+    """A runner command started in a child from the repository (runner_env() plus `env`), its
+    output and errors together as text; `new_session`: its own process group, to kill whole."""
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**runner_env(), **(env or {})},
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_session,
+    )
+
+
 def run_until(cmd: list[str], trigger: str, sig: int, timeout: float = 600) -> tuple[int, str]:
     """Start `cmd`, send `sig` to it once a line contains `trigger`, return (exit code, output)."""
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=runner_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = start_runner(cmd)
     lines, sent = [], False
     deadline = time.time() + timeout
     assert proc.stdout is not None

@@ -25,6 +25,7 @@ from tests.conftest import (
     run_runner,
     run_until,
     runner_env,
+    start_runner,
     tiny_overrides,
 )
 
@@ -178,17 +179,7 @@ def test_a_corrupted_draft_is_never_served(trained, tiny_model_dir, chats_jsonl,
 
 def test_two_first_runs_on_a_fresh_root_both_succeed(tiny_model_dir, chats_jsonl, tmp_path):
     cmd = _cmd(tiny_model_dir, chats_jsonl, tmp_path, "run.stages=[prepare]")
-    procs = [
-        subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=runner_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _ in range(2)
-    ]
+    procs = [start_runner(cmd) for _ in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert sorted(_statuses(tmp_path)) == ["FINISHED", "FINISHED"]  # the store is healthy
@@ -393,13 +384,7 @@ def test_prepares_worker_processes_end_with_the_runner(tiny_model_dir, long_prep
     a loaded machine; a CI run under load took 5.4 s to exit, hence 10 s and not 5."""
     mark = f"{sig.name}-{os.getpid()}"
     cmd = _cmd(tiny_model_dir, long_prepare, tmp_path, "data.num_samples=60000", "data.num_proc=2")
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env={**runner_env(), "EAGLE3_TEST_MARK": mark},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_runner(cmd, {"EAGLE3_TEST_MARK": mark}, stdout=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
         # Both workers of the pool are up (spawned: `spawn_main` in their command lines).

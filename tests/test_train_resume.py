@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, run_runner, run_until, runner_env, tiny_overrides
+from tests.conftest import REPO, run_runner, run_until, runner_env, start_runner, tiny_overrides
 
 DRIFT = 0.03
 LOSS_RTOL = 0.01
@@ -203,15 +203,7 @@ def test_two_nodes_train_as_one_job_and_resume_after_one_node_is_killed(
 
     def node(rank: int) -> subprocess.Popen:
         cmd = _command(tiny_model_dir, chats_jsonl, tmp_path, *common, f"hardware.node_rank={rank}")
-        return subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=runner_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        return start_runner(cmd, new_session=True)
 
     follower, leader = node(1), node(0)
     deadline = time.time() + 600
