@@ -3,7 +3,8 @@
 # that travels there with one bundle piece per call (pieces of <= 60 MiB: `make gpu-bundle`
 # builds them here into .gpu/pieces). Every call is short; the lane runs in its own process
 # session between calls. Usage, one verb per call (docs/gpu.md):
-#   bash scripts/gpu_lane.sh recv            keep the carried piece(s) of .gpu/pieces in /tmp/gpu
+#   bash scripts/gpu_lane.sh recv            keep the carried piece(s) of .gpu/pieces in /tmp/gpu,
+#                                            say which are still missing
 #   bash scripts/gpu_lane.sh setup           join and check the pieces, install the wheels
 #   bash scripts/gpu_lane.sh start [TESTS]   the GPU lane (pytest -m gpu) in its own session, in
 #                                            three phases (below), or only TESTS, in one process
@@ -27,9 +28,15 @@ export PYTHONPATH=$PWD:$G/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_
   TRITON_CACHE_DIR=$G/triton MLFLOW_TRACKING_URI= EAGLE3_GPU_LANE_ROOT=$G/root
 PY=${PY:-python3}
 case "${1:-}" in
-recv)
-  for f in .gpu/pieces/*; do [ -f "$f" ] && cp -n "$f" $G/pieces/; done
-  ls -l $G/pieces | tail -n +2 ;;
+recv)  # carry SHA256SUMS with every piece: a machine lost between calls comes back bare, and
+  # this says at once what it lacks (the sixth session lost one so, after the first piece)
+  for f in .gpu/pieces/*; do [ -f "$f" ] && [ ! -e $G/pieces/$(basename "$f") ] && cp "$f" $G/pieces/; done
+  if [ -f $G/pieces/SHA256SUMS ]; then
+    missing=$(awk '$2 ~ /^piece/ {print $2}' $G/pieces/SHA256SUMS | while read -r n; do [ -f $G/pieces/$n ] || echo -n "$n "; done)
+    echo "pieces here: $(ls $G/pieces | grep -c '^piece') of $(grep -c ' piece' $G/pieces/SHA256SUMS); $([ -n "$missing" ] && echo "missing: $missing" || echo "all here: run setup")"
+  else
+    echo "no SHA256SUMS here: carry it with the pieces"; ls $G/pieces
+  fi ;;
 setup)
   s=$(date +%s)
   $PY scripts/wheelhouse.py unbundle $G/pieces $G/wheels || exit 1

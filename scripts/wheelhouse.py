@@ -257,6 +257,8 @@ def unbundle(args: argparse.Namespace) -> int:
     import tarfile
 
     pieces, out = Path(args.pieces), Path(args.out)
+    if not (pieces / "SHA256SUMS").is_file():
+        sys.exit(f"{pieces / 'SHA256SUMS'} is missing: carry it with the pieces")
     sums = dict(reversed(line.split()) for line in (pieces / "SHA256SUMS").read_text().splitlines())
     names = sorted(n for n in sums if n.startswith("piece"))
     digest = hashlib.sha256()
