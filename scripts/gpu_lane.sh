@@ -31,12 +31,7 @@ case "${1:-}" in
 recv)  # carry SHA256SUMS with every piece: a machine lost between calls comes back bare, and
   # this says at once what it lacks (the sixth session lost one so, after the first piece)
   for f in .gpu/pieces/*; do [ -f "$f" ] && [ ! -e $G/pieces/$(basename "$f") ] && cp "$f" $G/pieces/; done
-  if [ -f $G/pieces/SHA256SUMS ]; then
-    missing=$(awk '$2 ~ /^piece/ {print $2}' $G/pieces/SHA256SUMS | while read -r n; do [ -f $G/pieces/$n ] || echo -n "$n "; done)
-    echo "pieces here: $(ls $G/pieces | grep -c '^piece') of $(grep -c ' piece' $G/pieces/SHA256SUMS); $([ -n "$missing" ] && echo "missing: $missing" || echo "all here: run setup")"
-  else
-    echo "no SHA256SUMS here: carry it with the pieces"; ls $G/pieces
-  fi ;;
+  $PY scripts/wheelhouse.py missing $G/pieces ;;
 setup)
   s=$(date +%s)
   $PY scripts/wheelhouse.py unbundle $G/pieces $G/wheels || exit 1

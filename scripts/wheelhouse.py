@@ -250,6 +250,23 @@ def bundle(args: argparse.Namespace) -> int:
     return 0
 
 
+def piece_sums(pieces: Path) -> dict[str, str]:
+    """SHA256SUMS of a bundle's pieces: name to digest (the pieces and the whole bundle.tar)."""
+    if not (pieces / "SHA256SUMS").is_file():
+        sys.exit(f"{pieces / 'SHA256SUMS'} is missing: carry it with the pieces")
+    return dict(reversed(line.split()) for line in (pieces / "SHA256SUMS").read_text().splitlines())
+
+
+def missing(args: argparse.Namespace) -> int:
+    """Say which of a bundle's pieces are here and which are still to carry."""
+    pieces = Path(args.pieces)
+    names = sorted(n for n in piece_sums(pieces) if n.startswith("piece"))
+    lacking = [n for n in names if not (pieces / n).is_file()]
+    here = f"pieces here: {len(names) - len(lacking)} of {len(names)}"
+    print(f"{here}; missing: {' '.join(lacking)}" if lacking else f"{here}; all here: run setup")
+    return 0
+
+
 def unbundle(args: argparse.Namespace) -> int:
     """Join the pieces in `pieces` (each checked against SHA256SUMS), check the whole, unpack
     it into `out`. A missing or damaged piece is named, and nothing is unpacked."""
@@ -257,9 +274,7 @@ def unbundle(args: argparse.Namespace) -> int:
     import tarfile
 
     pieces, out = Path(args.pieces), Path(args.out)
-    if not (pieces / "SHA256SUMS").is_file():
-        sys.exit(f"{pieces / 'SHA256SUMS'} is missing: carry it with the pieces")
-    sums = dict(reversed(line.split()) for line in (pieces / "SHA256SUMS").read_text().splitlines())
+    sums = piece_sums(pieces)
     names = sorted(n for n in sums if n.startswith("piece"))
     digest = hashlib.sha256()
     joined = out.with_name(out.name + ".tar")
@@ -327,11 +342,19 @@ def main() -> int:
     ub = sub.add_parser("unbundle", help="join and check pieces, unpack them")
     ub.add_argument("pieces")
     ub.add_argument("out")
+    m = sub.add_parser("missing", help="which of a bundle's pieces are not here yet")
+    m.add_argument("pieces")
     i = sub.add_parser("install", help="install a wheelhouse without network")
     i.add_argument("wheelhouse")
     i.add_argument("--target", help="install into this folder (then put it on PYTHONPATH)")
     args = ap.parse_args()
-    commands = {"build": build, "install": install, "bundle": bundle, "unbundle": unbundle}
+    commands = {
+        "build": build,
+        "install": install,
+        "bundle": bundle,
+        "unbundle": unbundle,
+        "missing": missing,
+    }
     return commands[args.command](args)
 
 

@@ -53,6 +53,25 @@ def test_a_bundle_travels_in_pieces_and_comes_back_whole(tmp_path, monkeypatch):
         wheelhouse.unbundle(ns(pieces=str(tmp_path / "pieces"), out=str(tmp_path / "again")))
 
 
+def test_the_pieces_still_to_carry_are_named(tmp_path, monkeypatch, capsys):
+    """What gpu_lane.sh recv prints after each call: a machine replaced between calls comes
+    back without the pieces carried before, and this is where the user sees it."""
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "a.whl").write_bytes(os.urandom(250_000))
+    monkeypatch.setattr(wheelhouse, "PIECE_BYTES", 100_000)
+    ns = argparse.Namespace
+    pieces = tmp_path / "pieces"
+    wheelhouse.bundle(ns(src=str(tmp_path / "wheels"), out=str(pieces)))
+    capsys.readouterr()
+    (pieces / "piece00").unlink()
+    (pieces / "piece02").unlink()
+    assert wheelhouse.missing(ns(pieces=str(pieces))) == 0
+    assert capsys.readouterr().out.strip() == "pieces here: 1 of 3; missing: piece00 piece02"
+    (pieces / "SHA256SUMS").unlink()
+    with pytest.raises(SystemExit, match="SHA256SUMS is missing"):
+        wheelhouse.missing(ns(pieces=str(pieces)))
+
+
 def test_a_member_is_cut_from_a_wheel_and_its_record(tmp_path):
     wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
