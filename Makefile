@@ -29,13 +29,14 @@ fmt: setup  ## Format the code and apply ruff's safe fixes
 # held CI to its limit; the dead worker's test fails and the lane ends.
 XDIST := -n 2 --dist loadfile --max-worker-restart=0
 test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (~9 min)
-	@$(call timed,$(PY) -m pytest -q $(XDIST) --timeout=600 -m "not e2e and not vllm and not faults",fast tests)
+	@$(call timed,$(PY) -m pytest -q $(XDIST) --timeout=600 --durations=15 -m "not e2e and not vllm and not faults",fast tests)
 
 # Also two workers, a file each. Both saturate the two cores (vLLM's CPU servers and training
 # each take every core), so the lane's time is its total work: 2,362 s here on 2026-12-02; a test
-# moved to the other worker gained nothing, less work did.
+# moved to the other worker gained nothing, less work did. --durations prints the slowest tests
+# in CI's log: the lanes run ~62 min, over the 50-minute goal, and cutting them needs those figures.
 test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lane, fault injection (~40 min)
-	@$(call timed,$(PY) -m pytest -q $(XDIST) -m "e2e or vllm or faults",slow lanes)
+	@$(call timed,$(PY) -m pytest -q $(XDIST) --durations=25 -m "e2e or vllm or faults",slow lanes)
 
 test: setup lint test-fast test-slow  ## Everything CI runs: lint, fast tests, then the slow lanes
 

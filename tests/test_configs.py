@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 
 from runner.checks import check_aux_layers, check_config
 from runner.errors import ConfigError
@@ -73,10 +76,6 @@ def test_unknown_key_is_rejected_with_its_name(tmp_path):
 
 def test_unknown_key_in_an_option_file_is_rejected(tmp_path):
     import shutil
-
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
@@ -212,3 +211,49 @@ def test_the_quick_preset_is_a_marked_smoke_test_that_passes_the_checks():
     assert cfg.eval.num_prompts == 10 and cfg.eval.speed_repeats == 1
     cfg.check(tuple(s.name for s in REGISTRY))
     assert not typed(compose([])).run.smoke_test
+
+
+SWEEPS = CONF.parent / "sweeps"
+
+
+def _sweep_jobs(path) -> list[list[str]]:
+    """The overrides of each job a sweep file's basic sweeper would launch (the grid), read with
+    Hydra's own override parser: values such as "[],[0]" hold commas of their own. An Optuna
+    file's distributions are not a grid; it gives its one base config."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    sweeper = OmegaConf.load(path).get("hydra", {}).get("sweeper", {})
+    params = sweeper.get("params") or {}
+    if "direction" in sweeper:  # Optuna: choice()/interval() are no override syntax
+        return [[]]
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    axes = [[f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()] for o in parsed]
+    return [list(job) for job in itertools.product(*axes)]
+
+
+@pytest.mark.parametrize("path", sorted(SWEEPS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_sweep_files_every_job_composes_and_validates(path):
+    assert path.read_text().lstrip().startswith("#"), f"{path} must start with a comment"
+    jobs = _sweep_jobs(path)
+    assert jobs, f"{path} sweeps nothing"
+    for overrides in jobs:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            check_declared(hydra_compose(config_name=path.stem, overrides=overrides))
+
+
+def test_the_attention_sweep_compares_a_window_shorter_than_the_rows_with_full_attention():
+    """On the default's 512-token rows speculators' 2,048-token window is full attention by
+    construction; the sweep must compare a window the rows outgrow."""
+    jobs = _sweep_jobs(SWEEPS / "attention.yaml")
+    kinds = set()
+    for overrides in jobs:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = check_declared(hydra_compose(config_name="attention", overrides=overrides))
+        assert cfg.train.sliding_window < cfg.data.max_seq_len
+        kinds.add(tuple(cfg.train.full_attention_layers))
+    assert kinds == {(), (0,)} and len(jobs) == 6  # both, over three seeds
