@@ -814,6 +814,12 @@ class EvalConfig:
     speed_repeats: int | None = None
     # Prompts (the first set's first ones) generated one after another for concurrency 1.
     speed_prompts: int = 16
+    # Each timed pass repeats its requests (the concurrency-1 prompts in turn, or the batch at
+    # once) until it has run at least this many seconds, so that a pass is not a window of under
+    # a second: on one H200 the 135M target's batch of 80 took under a second a pass and its rate
+    # moved by 12% (sd) from one pass to the next, the draft's (2-3 s) by 10-22%; five such passes
+    # left each ratio a 95% interval of about ±20%. 0 = each request once.
+    speed_pass_s: float = 5.0
     # After the stage's own timing, each server's speed measured again on the same warm server by
     # other code (stages/evaluate/speed_check.py: another client, warm-up and count); the
     # summary gives both ratios and says whether they agree within 10%. Costs the same time as
@@ -837,6 +843,7 @@ class EvalConfig:
             _at_least(f"eval.{key}", getattr(self, key), 1)
         if self.speed_repeats is not None:
             _at_least("eval.speed_repeats", self.speed_repeats, 0)
+        _at_least("eval.speed_pass_s", self.speed_pass_s, 0)
         _above("eval.near_tie_gap", self.near_tie_gap, 0)
         names = [prompt_set_name(p) for p in self.prompts]
         if not names or len(set(names)) != len(names):

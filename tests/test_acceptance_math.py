@@ -127,6 +127,65 @@ def test_the_speed_ratio_pairs_repeats_and_reports_their_spread():
     )
     assert abs(m["speedup_c1"] - 1.05) < 1e-9 and abs(m["speedup_c1_std"] - 0.05) < 1e-9
     assert abs(m["speedup_batch"] - 0.925) < 1e-9 and m["target_tok_s_batch"] == 1000.0
+    # The 95% interval: the ratio times/divided by exp(t(2) * sd / sqrt(3)) of the log ratios.
+    import math
+    import statistics
+
+    logs = [math.log(r) for r in (1.10, 1.00, 1.05)]
+    half = 4.302653 * statistics.stdev(logs) / math.sqrt(3)
+    assert m["speedup_c1_ci_low"] == pytest.approx(1.05 * math.exp(-half), rel=1e-5)
+    assert m["speedup_c1_ci_high"] == pytest.approx(1.05 * math.exp(half), rel=1e-5)
+    # One repeat: a ratio, no interval.
+    one = speed_metrics({"c1": [110.0], "batch": []}, {"c1": [100.0], "batch": []})
+    assert "speedup_c1_ci_low" not in one and "speedup_batch" not in one
+
+
+# The seventh H200 session's repeats (tokens/s, eval.speed_servers=together, 5 timed passes of
+# each server at batch 80): the stage's client, then the independent one on the same servers.
+H200_BATCH = {
+    "draft": [3738.3, 3631.5, 4346.5, 4039.9, 3362.8],
+    "target": [11090.3, 13859.7, 10871.0, 14008.0, 12218.1],
+    "draft_check": [4298.1, 3588.4, 3974.4, 3904.4, 6051.6],
+    "target_check": [12961.6, 9554.8, 10932.0, 14178.7, 11143.6],
+}
+
+
+def test_a_speed_check_miss_inside_both_measurements_noise_is_told_apart_from_a_fault(tmp_path):
+    import math
+
+    from runner.schema import typed
+    from stages.evaluate.measures import speed_metrics
+    from stages.evaluate.report import summary
+    from stages.evaluate.speed_check import agreement
+    from tests.conftest import compose
+
+    h = H200_BATCH
+    ours = speed_metrics({"c1": [], "batch": h["draft"]}, {"c1": [], "batch": h["target"]})
+    theirs = speed_metrics(
+        {"c1": [], "batch": h["draft_check"]}, {"c1": [], "batch": h["target_check"]}
+    )
+    half = math.hypot(ours["speedup_batch_ci_half_log"], theirs["speedup_batch_ci_half_log"])
+    got = agreement(
+        {"batch": ours["speedup_batch"]}, {"batch": theirs["speedup_batch"]}, {"batch": half}
+    )
+    # 0.306x against 0.357x: 14% apart, more than 10%, but each ratio's interval is about ±20%.
+    assert got["speed_check_agrees"] == 0 and got["speed_check_batch_within_noise"] == 1
+    assert round(got["speed_check_batch_diff"], 3) == -0.142
+    assert 0.3 < got["speed_check_batch_noise"] < 0.6
+    # The same stage ratio against a check 40% higher than it, with the same noise: a fault.
+    fault = agreement({"batch": 0.306}, {"batch": 0.306 * 1.9}, {"batch": half})
+    assert fault["speed_check_batch_within_noise"] == 0
+    cfg = typed(compose(["hardware=gpu1", "run.output_root=unused"]))
+    base = {"acceptance_length": 1.5, "speed_repeats": 5, "speed_batch": 80, **ours}
+    base |= {"speedup_c1": 0.57, "speedup_c1_std": 0.08}
+    line = next(x for x in summary({**base, **got}, tmp_path, cfg) if x.startswith("speed checked"))
+    assert "within the two measurements' own noise" in line and "eval.speed_repeats" in line
+    speed = next(x for x in summary({**base, **got}, tmp_path, cfg) if x.startswith("speed, warm"))
+    assert "0.31x ± 0.06 (95% 0.25-0.38) at batch 80" in speed
+    line = next(
+        x for x in summary({**base, **fault}, tmp_path, cfg) if x.startswith("speed checked")
+    )
+    assert "SPEED CHECK DISAGREES, by more than the two measurements' own noise" in line
 
 
 def test_the_speed_check_flags_a_ratio_more_than_ten_percent_off_the_second_measurement(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,8 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         del e["speed_check"]  # off: the same measurement as before the setting existed
     if e["speed_servers"] == "auto":
         del e["speed_servers"]  # (likewise)
+    if not speed_repeats(cfg):
+        del e["speed_pass_s"]  # no speed measured (a CPU's default): the passes' length is moot
     if cfg.eval.draft:
         e["draft"] = _draft_content(cfg.eval.draft)
     return {
@@ -191,10 +194,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
             metrics.update(speed_metrics(speeds["draft"], speeds["target"]))
             if "check" in speeds["draft"]:
                 check = speed_metrics(speeds["draft"]["check"], speeds["target"]["check"])
+                half = "speedup_{}_ci_half_log"
                 metrics.update(
                     agreement(
                         {k: metrics[f"speedup_{k}"] for k in ("c1", "batch")},
                         {k: check[f"speedup_{k}"] for k in ("c1", "batch")},
+                        {
+                            k: math.hypot(metrics[half.format(k)], check[half.format(k)])
+                            for k in ("c1", "batch")
+                            if half.format(k) in metrics and half.format(k) in check
+                        },
                     )
                 )
             for server, speed in speeds.items():
@@ -302,7 +311,8 @@ def plan(p: Plan, view: PlanView) -> None:
         )
         p.add(
             "speed",
-            f"{speed_repeats(cfg)} warm repeats at concurrency 1 and at batch; {how} ({why}; "
+            f"{speed_repeats(cfg)} warm repeats at concurrency 1 and at batch, each pass at "
+            f"least {cfg.eval.speed_pass_s:g} s (eval.speed_pass_s); {how} ({why}; "
             "eval.speed_servers)"
             + (", checked by a second client (eval.speed_check)" if cfg.eval.speed_check else ""),
         )

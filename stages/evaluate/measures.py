@@ -119,9 +119,14 @@ def _spread(values: list[float]) -> float:
 def speed_metrics(draft: dict[str, list[float]], target: dict[str, list[float]]) -> dict[str, Any]:
     """The speed ratio (draft-served over the target alone, warm), at concurrency 1 and at the
     evaluation's batch: each server's median tokens/s over the repeats (a repeat slowed by
-    something else on the machine moves a median least), their ratio, and the standard
-    deviation of the per-repeat ratios as its spread."""
+    something else on the machine moves a median least), their ratio, the standard deviation of
+    the per-repeat ratios as its spread, and a 95% interval: the ratio times and divided by
+    exp(t * sd / sqrt(n)) of the per-repeat log ratios (each repeat pairs passes of the two
+    servers timed seconds apart, so it is the unit of noise; n is 3 to 10, too few to bootstrap)."""
+    import math
     import statistics
+
+    from runner.intervals import replicates
 
     out: dict[str, Any] = {}
     for kind in ("c1", "batch"):
@@ -131,6 +136,12 @@ def speed_metrics(draft: dict[str, list[float]], target: dict[str, list[float]])
         out[f"speedup_{kind}"] = d / t
         ratios = [a / b for a, b in zip(draft[kind], target[kind], strict=True)]
         out[f"speedup_{kind}_std"] = _spread(ratios)
+        if len(ratios) > 1:
+            logs = replicates([math.log(r) for r in ratios])
+            half = (logs.hi - logs.lo) / 2  # t * sd / sqrt(n), on the log scale
+            out[f"speedup_{kind}_ci_low"] = d / t * math.exp(-half)
+            out[f"speedup_{kind}_ci_high"] = d / t * math.exp(half)
+            out[f"speedup_{kind}_ci_half_log"] = half
         out[f"draft_tok_s_{kind}"] = d
         out[f"target_tok_s_{kind}"] = t
     return out

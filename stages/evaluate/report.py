@@ -51,6 +51,12 @@ def _ci(metrics: Mapping[str, Any], pre: str = "") -> list[float] | None:
     return None if lo is None or hi is None else [lo, hi]
 
 
+def _ci(metrics: dict[str, Any], kind: str) -> str:
+    """The speed ratio's 95% interval, where there were repeats enough for one."""
+    lo, hi = metrics.get(f"speedup_{kind}_ci_low"), metrics.get(f"speedup_{kind}_ci_high")
+    return f" (95% {lo:.2f}-{hi:.2f})" if lo is not None and hi is not None else ""
+
+
 def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:
     if metrics.get("acceptance_length") is None:
         return []
@@ -73,8 +79,9 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
             "median tokens/s ± sd of the per-repeat "
             "ratios): "
             f"{metrics['speedup_c1']:.2f}x ± "
-            f"{metrics['speedup_c1_std']:.2f} at concurrency 1, {metrics['speedup_batch']:.2f}x "
-            f"± {metrics['speedup_batch_std']:.2f} at batch {metrics['speed_batch']:.0f}"
+            f"{metrics['speedup_c1_std']:.2f}{_ci(metrics, 'c1')} at concurrency 1, "
+            f"{metrics['speedup_batch']:.2f}x ± {metrics['speedup_batch_std']:.2f}"
+            f"{_ci(metrics, 'batch')} at batch {metrics['speed_batch']:.0f}"
             + (
                 " (on a CPU this ratio says nothing about a GPU: vLLM warns that speculative "
                 "decoding on a CPU without Intel OpenMP loses much of its speed)"
@@ -90,6 +97,17 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
             if f"speed_check_{k}" in metrics
         )
         verdict = "agrees within 10%" if metrics["speed_check_agrees"] else "SPEED CHECK DISAGREES"
+        noise = [k for k in ("c1", "batch") if f"speed_check_{k}_within_noise" in metrics]
+        if not metrics["speed_check_agrees"] and noise:
+            if all(metrics[f"speed_check_{k}_within_noise"] for k in noise):
+                widest = max(metrics[f"speed_check_{k}_noise"] for k in noise)
+                verdict = (
+                    "more than 10% apart, but within the two measurements' own noise "
+                    f"(up to ±{widest:.0%} at 95%): more repeats (eval.speed_repeats) or longer "
+                    "passes (eval.speed_pass_s) resolve 10%"
+                )
+            else:
+                verdict += ", by more than the two measurements' own noise"
         lines.append(
             f"speed checked on the same servers by an independent client (eval.speed_check): "
             f"{diffs} ({verdict}; in brackets the stage's ratio against it)"

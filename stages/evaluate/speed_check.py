@@ -8,7 +8,7 @@ count (the server's `usage`, summed per pass by this code). benchmarks/speed_pro
 fresh servers with this same client.
 
     rates = measure({"draft": (base, model_id), ...}, prompts, c1_prompts=16, max_tokens=96,
-                    repeats=5)   # {"draft": {"c1": [tok/s, ...], "batch": [...]}, ...}
+                    repeats=5, min_pass_s=5)   # {"draft": {"c1": [tok/s, ...], ...}, ...}
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ def rate(
     max_tokens: int,
     at_once: bool,
     timeout_s: float = 600.0,
+    min_pass_s: float = 0.0,
 ) -> float:
     """Generated tokens per second over `prompts`, greedy, one after another or all at once
-    (one thread each)."""
+    (one thread each), the whole round again until `min_pass_s` seconds have passed."""
 
     def one(prompt: Prompt) -> int:
         body = {
@@ -60,12 +61,11 @@ def rate(
         }
         return _completion_tokens(base, body, timeout_s)
 
-    t0 = time.perf_counter()
-    if at_once:
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            tokens = sum(pool.map(one, prompts))
-    else:
-        tokens = sum(one(p) for p in prompts)
+    tokens, rounds, t0 = 0, 0, time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        while rounds == 0 or time.perf_counter() - t0 < min_pass_s:
+            tokens += sum(pool.map(one, prompts)) if at_once else sum(one(p) for p in prompts)
+            rounds += 1
     return tokens / (time.perf_counter() - t0)
 
 
@@ -76,6 +76,7 @@ def measure(
     max_tokens: int,
     repeats: int,
     warm_passes: int = WARM_PASSES,
+    min_pass_s: float = 0.0,
 ) -> dict[str, dict[str, list[float]]]:
     """Each server's two rates (`servers`: label -> (base URL, model id)), `repeats` times each
     after `warm_passes` untimed passes: at concurrency 1 over the first `c1_prompts` prompts and
@@ -91,16 +92,25 @@ def measure(
         ):
             for label in order:
                 base, model = servers[label]
-                got = rate(base, model, chosen, max_tokens, at_once)
+                got = rate(base, model, chosen, max_tokens, at_once, min_pass_s=min_pass_s)
                 if i >= warm_passes:
                     out[label][kind].append(got)
     return out
 
 
-def agreement(stage: dict[str, float], check: dict[str, float]) -> dict[str, Any]:
+def agreement(
+    stage: dict[str, float],
+    check: dict[str, float],
+    noise: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """The check's ratios beside the stage's: for each of c1 and batch, the check's ratio and the
     stage's relative difference from it; `speed_check_agrees` is 1 when every one is within
-    AGREE_WITHIN."""
+    AGREE_WITHIN. `noise` (kind -> half-width of the two ratios' 95% intervals on the log scale,
+    combined: sqrt(h_stage^2 + h_check^2)) adds `speed_check_{kind}_within_noise`: whether the
+    two differ by less than their own repeats' noise, which says whether a miss of AGREE_WITHIN
+    is a fault of the measurement or too few repeats to resolve 10%."""
+    import math
+
     out: dict[str, Any] = {}
     ok = True
     for kind, theirs in check.items():
@@ -111,6 +121,10 @@ def agreement(stage: dict[str, float], check: dict[str, float]) -> dict[str, Any
         out[f"speed_check_{kind}"] = theirs
         out[f"speed_check_{kind}_diff"] = diff
         ok = ok and abs(diff) <= AGREE_WITHIN
+        if noise and kind in noise:
+            out[f"speed_check_{kind}_noise"] = math.exp(noise[kind]) - 1
+            inside = abs(math.log(ours / theirs)) <= noise[kind]
+            out[f"speed_check_{kind}_within_noise"] = int(inside)
     if out:
         out["speed_check_agrees"] = int(ok)
     return out
