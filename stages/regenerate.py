@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from runner import costs
 from runner.console import bar_interval
 from runner.conversations import read_conversations
 from runner.errors import StageError
@@ -505,10 +506,43 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return metrics
 
 
+def cost(view: PlanView) -> costs.Cost | None:
+    """Regeneration's wall time and GPU-hours: this store's last regeneration on this hardware
+    (its seconds a conversation, server start included) times data.num_samples; None without
+    one. No shipped rate: the only GPU regeneration measured (the GPU lane's 64 conversations
+    beside three other processes) says nothing of a server alone at scale."""
+    cfg = view.cfg
+    art = costs.measured(view, "regenerate")
+    m = (art.manifest.get("metrics") or {}) if art is not None else {}
+    if not (m.get("conversations") and m.get("regenerate_s")):
+        return None
+    per = float(m["regenerate_s"]) / float(m["conversations"])
+    wall = per * cfg.data.num_samples
+    return costs.Cost(
+        "regeneration",
+        wall,
+        wall * cfg.hardware.num_gpus / 3600,
+        f"{cfg.data.num_samples} conversations at {per:.2f} s each [measured by regeneration "
+        f"{art.key} in this store: {m['conversations']} conversations in "
+        f"{costs.fmt_hours(float(m['regenerate_s']))}]",
+        m["conversations"] < cfg.data.num_samples / 10,  # a small run's rate: start-up weighs
+    )
+
+
 def plan(p: Plan, view: PlanView) -> None:
     cfg = view.cfg
     if view.actions.get("regenerate") != "run":
         return
+    if cfg.hardware.device == "cuda" and cfg.hardware.gpu_kind:
+        if estimate := cost(view):
+            p.add_cost("regenerate", estimate, estimate)  # one server: more boxes change nothing
+        else:
+            p.add(
+                "cost: regenerate",
+                "no estimate, and not in the total below: no regeneration finished on this "
+                "hardware in this store yet (its first run gives the rate; a run of "
+                "data.num_samples=200 measures it in minutes)",
+            )
     r = cfg.regenerate
     mode = "greedy" if r.temperature == 0 else f"sampled (T={r.temperature}, top_p={r.top_p})"
     p.add(

@@ -100,3 +100,36 @@ def test_the_estimates_come_within_a_quarter_of_the_h200_runs(tmp_path):
         if abs(estimated / seconds - 1) > 0.25:
             misses.append((what, stage, round(estimated, 1), seconds))
     assert not misses, misses
+
+
+def test_regeneration_is_costed_from_this_stores_own_run_or_said_to_be_left_out(tmp_path):
+    """No shipped rate exists for regenerating on a GPU: the plan says the total leaves it out
+    until a regeneration has finished on this hardware, then costs it from that run."""
+    from runner.store import ArtifactStore
+
+    over = [
+        "hardware=gpu1",
+        "hardware.gpu_kind=H200",
+        "regenerate=vllm",
+        "data.num_samples=17528",
+        "run.plan_only=true",
+        f"run.output_root={tmp_path}",
+    ]
+    p = run_job(compose(over)).plan
+    assert "no estimate, and not in the total below" in p.render()
+    assert "cost.regenerate.hours" not in p.numbers and "cost.total.hours" in p.numbers
+    # A finished regeneration of 800 conversations in 642 s on this hardware (gpu1, H200).
+    hardware = {"name": "gpu1", "gpu_kind": "H200", "num_gpus": 1, "num_nodes": 1}
+    metrics = {"conversations": 800, "regenerate_s": 642.0}
+    with ArtifactStore(tmp_path).writing(
+        "regenerate", "k0", {"hardware": hardware, "metrics": metrics}
+    ):
+        pass
+    p = run_job(compose(over)).plan
+    assert p.numbers["cost.regenerate.hours"] == pytest.approx(17528 * 642 / 800 / 3600)
+    assert "measured by regeneration k0 in this store" in p.render()
+    total = p.numbers["cost.total.hours"]
+    assert total > p.numbers["cost.regenerate.hours"] + p.numbers["cost.train.hours"]
+    # On other hardware that run says nothing.
+    p = run_job(compose([*over, "hardware.name=other"])).plan
+    assert "cost.regenerate.hours" not in p.numbers
