@@ -47,6 +47,7 @@ def measure(
     repeats: int,
     log: Path,
     label: str,
+    min_pass_s: float = 0.0,
 ) -> dict[str, Any]:
     """Start the server `words`, warm it, and measure both rates `repeats` times."""
     from runner.vllm_server import VllmServer, free_port
@@ -56,7 +57,13 @@ def measure(
     with VllmServer(words, {**os.environ, **env}, log, f"probe:{label}", 1800.0) as server:
         model = server.served_model()
         rates = speed_check.measure(
-            {label: (server.base, model)}, prompts, c1_prompts, max_tokens, repeats, warm_passes=3
+            {label: (server.base, model)},
+            prompts,
+            c1_prompts,
+            max_tokens,
+            repeats,
+            warm_passes=3,
+            min_pass_s=min_pass_s,
         )[label]
         start_s = server.start_s
         compiled = server.compile_cache()
@@ -65,7 +72,12 @@ def measure(
 
 
 def probe(
-    evaluate_dir: Path, prompts: list[str], c1_prompts: int, max_tokens: int, repeats: int
+    evaluate_dir: Path,
+    prompts: list[str],
+    c1_prompts: int,
+    max_tokens: int,
+    repeats: int,
+    min_pass_s: float = 0.0,
 ) -> dict[str, Any]:
     """The ratio (draft-served over the target alone) at concurrency 1 and at batch, measured
     independently of the stage on the draft its artifact served."""
@@ -78,8 +90,9 @@ def probe(
     logs = Path(tempfile.mkdtemp(prefix="speed-probe-"))  # the servers' logs, kept
     got = {}
     for label, command in (("target", _without_draft(words)), ("draft", words)):
+        log = logs / f"{label}.log"
         got[label] = measure(
-            command, env, prompts, c1_prompts, max_tokens, repeats, logs / f"{label}.log", label
+            command, env, prompts, c1_prompts, max_tokens, repeats, log, label, min_pass_s
         )
         _line(f"probe_{label}", got[label])
     ratios = {k: got["draft"]["median"][k] / got["target"]["median"][k] for k in ("c1", "batch")}
@@ -93,6 +106,7 @@ def probe(
             "batch": len(prompts),
             "c1_prompts": c1_prompts,
             "repeats": repeats,
+            "min_pass_s": min_pass_s,
         },
     )
     return {**ratios, "servers": got}
@@ -112,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = typed(compose(a.overrides))
     prompts = next(iter(load_prompt_sets(cfg.eval).values()))
-    probe(a.evaluate_dir, prompts, cfg.eval.speed_prompts, cfg.eval.max_new_tokens, a.repeats)
+    e = cfg.eval  # passes as long as the stage's (eval.speed_pass_s)
+    probe(a.evaluate_dir, prompts, e.speed_prompts, e.max_new_tokens, a.repeats, e.speed_pass_s)
     return 0
 
 
