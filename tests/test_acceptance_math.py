@@ -177,11 +177,15 @@ def test_a_speed_check_miss_inside_both_measurements_noise_is_told_apart_from_a_
     assert fault["speed_check_batch_within_noise"] == 0
     cfg = typed(compose(["hardware=gpu1", "run.output_root=unused"]))
     base = {"acceptance_length": 1.5, "speed_repeats": 5, "speed_batch": 80, **ours}
+    base |= {"acceptance_length_ci_low": 1.45, "acceptance_length_ci_high": 1.55, "prompts": 80}
     base |= {"speedup_c1": 0.57, "speedup_c1_std": 0.08}
     line = next(x for x in summary({**base, **got}, tmp_path, cfg) if x.startswith("speed checked"))
     assert "within the two measurements' own noise" in line and "eval.speed_repeats" in line
     speed = next(x for x in summary({**base, **got}, tmp_path, cfg) if x.startswith("speed, warm"))
     assert "0.31x ± 0.06 (95% 0.25-0.38) at batch 80" in speed
+    # ... beside the acceptance length's own interval over prompts.
+    first = summary({**base, **got}, tmp_path, cfg)[0]
+    assert first.startswith("acceptance length 1.500 on mtbench (95% interval 1.450-1.550 over 80")
     line = next(
         x for x in summary({**base, **fault}, tmp_path, cfg) if x.startswith("speed checked")
     )

@@ -51,7 +51,7 @@ def _ci(metrics: Mapping[str, Any], pre: str = "") -> list[float] | None:
     return None if lo is None or hi is None else [lo, hi]
 
 
-def _ci(metrics: dict[str, Any], kind: str) -> str:
+def _speed_ci(metrics: dict[str, Any], kind: str) -> str:
     """The speed ratio's 95% interval, where there were repeats enough for one."""
     lo, hi = metrics.get(f"speedup_{kind}_ci_low"), metrics.get(f"speedup_{kind}_ci_high")
     return f" (95% {lo:.2f}-{hi:.2f})" if lo is not None and hi is not None else ""
@@ -79,9 +79,9 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
             "median tokens/s ± sd of the per-repeat "
             "ratios): "
             f"{metrics['speedup_c1']:.2f}x ± "
-            f"{metrics['speedup_c1_std']:.2f}{_ci(metrics, 'c1')} at concurrency 1, "
+            f"{metrics['speedup_c1_std']:.2f}{_speed_ci(metrics, 'c1')} at concurrency 1, "
             f"{metrics['speedup_batch']:.2f}x ± {metrics['speedup_batch_std']:.2f}"
-            f"{_ci(metrics, 'batch')} at batch {metrics['speed_batch']:.0f}"
+            f"{_speed_ci(metrics, 'batch')} at batch {metrics['speed_batch']:.0f}"
             + (
                 " (on a CPU this ratio says nothing about a GPU: vLLM warns that speculative "
                 "decoding on a CPU without Intel OpenMP loses much of its speed)"
