@@ -194,15 +194,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
             metrics.update(speed_metrics(speeds["draft"], speeds["target"]))
             if "check" in speeds["draft"]:
                 check = speed_metrics(speeds["draft"]["check"], speeds["target"]["check"])
-                half = "speedup_{}_ci_half_log"
+                kinds = ("c1", "batch")
+                halves = [f"speedup_{k}_ci_half_log" for k in kinds]
                 metrics.update(
                     agreement(
-                        {k: metrics[f"speedup_{k}"] for k in ("c1", "batch")},
-                        {k: check[f"speedup_{k}"] for k in ("c1", "batch")},
+                        {k: metrics[f"speedup_{k}"] for k in kinds},
+                        {k: check[f"speedup_{k}"] for k in kinds},
                         {
-                            k: math.hypot(metrics[half.format(k)], check[half.format(k)])
-                            for k in ("c1", "batch")
-                            if half.format(k) in metrics and half.format(k) in check
+                            k: math.hypot(metrics[h], check[h])
+                            for k, h in zip(kinds, halves, strict=True)
+                            if h in metrics and h in check
                         },
                     )
                 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from runner.intervals import ratio_interval
+from runner.intervals import ratio_interval, replicates
 
 log = logging.getLogger("runner")
 
@@ -125,8 +125,6 @@ def speed_metrics(draft: dict[str, list[float]], target: dict[str, list[float]])
     servers timed seconds apart, so it is the unit of noise; n is 3 to 10, too few to bootstrap)."""
     import math
     import statistics
-
-    from runner.intervals import replicates
 
     out: dict[str, Any] = {}
     for kind in ("c1", "batch"):

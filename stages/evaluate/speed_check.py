@@ -61,12 +61,13 @@ def rate(
         }
         return _completion_tokens(base, body, timeout_s)
 
-    tokens, rounds, t0 = 0, 0, time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        while rounds == 0 or time.perf_counter() - t0 < min_pass_s:
-            tokens += sum(pool.map(one, prompts)) if at_once else sum(one(p) for p in prompts)
-            rounds += 1
-    return tokens / (time.perf_counter() - t0)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts) if at_once else 1) as pool:
+        t0 = time.perf_counter()
+        tokens = 0
+        while True:  # at least one round, then rounds until min_pass_s
+            tokens += sum(pool.map(one, prompts) if at_once else map(one, prompts))
+            if time.perf_counter() - t0 >= min_pass_s:
+                return tokens / (time.perf_counter() - t0)
 
 
 def measure(
