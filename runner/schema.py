@@ -809,16 +809,18 @@ class EvalConfig:
     near_tie_gap: float = 0.5
     # The speed ratio (draft-served over the target alone), measured on warm servers this many
     # times at concurrency 1 and at the evaluation's batch (the first set's prompts), after one
-    # untimed pass; the ratio of the median rates. null = 5 on a GPU, 0 on a CPU (vLLM's CPU
-    # build runs speculative decoding slower than the target).
+    # untimed pass; the ratio of the median rates. Each is a steady state: every user (one at
+    # concurrency 1, one per prompt at batch) sends its next request as soon as its last is
+    # answered, with no round waiting for its slowest request. null = 5 on a GPU, 0 on a CPU
+    # (vLLM's CPU build runs speculative decoding slower than the target).
     speed_repeats: int | None = None
     # Prompts (the first set's first ones) generated one after another for concurrency 1.
     speed_prompts: int = 16
-    # Each timed pass repeats its requests (the concurrency-1 prompts in turn, or the batch at
-    # once) until it has run at least this many seconds, so that a pass is not a window of under
-    # a second: on one H200 the 135M target's batch of 80 took under a second a pass and its rate
+    # Each timed pass counts at least this many seconds of answers (and every prompt once), from
+    # the moment every user has had one answer, so that a pass is not a window of under a
+    # second: on one H200 the 135M target's batch of 80 took under a second a round and its rate
     # moved by 12% (sd) from one pass to the next, the draft's (2-3 s) by 10-22%; five such passes
-    # left each ratio a 95% interval of about ±20%. 0 = each request once.
+    # left each ratio a 95% interval of about ±20%. 0 = every prompt once.
     speed_pass_s: float = 5.0
     # After the stage's own timing, each server's speed measured again on the same warm server by
     # other code (stages/evaluate/speed_check.py: another client, warm-up and count); the

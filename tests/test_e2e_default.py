@@ -30,7 +30,7 @@ REDUCED = [
     # The warm speed measurement, once, on two prompts (a CPU's figure is for the record only).
     "eval.speed_repeats=1",
     "eval.speed_prompts=2",
-    "eval.speed_pass_s=1",  # each pass's requests again until a second has passed
+    "eval.speed_pass_s=1",  # each pass a second of steady state, every prompt at least once
     # ... both servers up at once, their passes alternating, and again on the same servers by
     # the independent client.
     "eval.speed_servers=together",

@@ -171,9 +171,9 @@ def test_the_speed_ratio_agrees_with_an_independent_client_on_the_same_servers(p
     assert all(len(speeds[s]["check"][k]) == 5 for s in speeds for k in ("c1", "batch"))
     # Two measurements further apart than their own repeats' noise: a fault in one of them.
     assert all(m[f"speed_check_{k}_within_noise"] == 1 for k in ("c1", "batch")), m
-    # The goal: within 10% (the seventh session: -6% at concurrency 1, -14% at batch, each
-    # ratio's own 95% interval about ±20% with 5 passes of under a second at batch; passes are
-    # now at least eval.speed_pass_s long).
+    # The goal: within 10% (the seventh session: -6% at concurrency 1, -14% at batch, passes of
+    # under a second; the eighth, passes of >= 5 s: -4% and -10.6%, the check reading the fast
+    # target 18% low; both clients now measure a steady state, benchmarks/speed_clients.py).
     for kind in ("c1", "batch"):
         assert abs(m[f"speed_check_{kind}_diff"]) <= 0.10, (kind, m)
     assert m["speed_check_agrees"] == 1

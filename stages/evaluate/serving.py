@@ -188,10 +188,16 @@ async def _rate(
     cfg: RunnerConfig,
     one_at_a_time: bool,
 ) -> float:
-    """Generated tokens per second (the server's own count) over `prompts`, greedy, one after
-    another or all at once. Plain HTTP: the OpenAI client library's own work per request held
-    the rate of 80 requests at once about a quarter below what the server gave another client
-    (docs/benchmarks.md), and a speed figure must be the server's, not the client's."""
+    """Generated tokens per second at steady state (the server's own count), greedy: one user
+    going through `prompts` in turn (concurrency 1), or one user per prompt, all at once. Each
+    user sends its next request the moment its last is answered, so the server holds the same
+    number of requests throughout; no round waits for its slowest request (rounds of a batch
+    under a second long lost a sixth of a fast server's rate to their start and tail,
+    docs/benchmarks.md). Counted: the answers after the moment every user has had one, until
+    eval.speed_pass_s has passed and every user has gone through its prompts once more; the
+    rate is the sum of the users' own rates over those answers. Plain HTTP: the OpenAI client
+    library's own work per request held the rate of 80 requests at once about a quarter below
+    what the server gave another client, and a speed figure must be the server's."""
     import aiohttp
 
     e = cfg.eval
@@ -211,20 +217,45 @@ async def _rate(
                 raise StageError(f"a speed request failed: HTTP {r.status}: {str(answer)[:300]}")
         return int(answer["usage"]["completion_tokens"])
 
+    users = [list(prompts)] if one_at_a_time else [[p] for p in prompts]
+    answered: set[int] = set()  # users with one answer: the window opens when all have
+    opened: list[float] = []
+    # Per user, its tokens answered inside the window and the span they took: from its last
+    # answer before the window to its last inside it, whole requests only.
+    tokens, counted = [0] * len(users), [0] * len(users)
+    span: list[list[float]] = [[] for _ in users]
+    stop = asyncio.Event()
+
+    async def user(session: aiohttp.ClientSession, u: int) -> None:
+        mine, i, before = users[u], 0, time.perf_counter()
+        while not stop.is_set():
+            n = await one(session, mine[i % len(mine)])
+            now, i = time.perf_counter(), i + 1
+            if stop.is_set():
+                break  # in flight when the window closed: not counted
+            if opened:
+                span[u] = [span[u][0] if span[u] else before, now]
+                tokens[u] += n
+                counted[u] += 1
+                # Long enough, and every user through its prompts once inside the window.
+                if now - opened[0] >= e.speed_pass_s and all(
+                    c >= len(us) for c, us in zip(counted, users, strict=True)
+                ):
+                    stop.set()
+            else:
+                answered.add(u)
+                if len(answered) == len(users):
+                    opened.append(now)
+            before = now
+
     timeout = aiohttp.ClientTimeout(total=e.timeout_s)
     connector = aiohttp.TCPConnector(limit=len(prompts))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        # The requests again until the pass has run eval.speed_pass_s: a pass of under a second
-        # (a small target's batch) measures its own start and tail more than the server.
-        t0, total = time.perf_counter(), 0
-        while True:
-            if one_at_a_time:
-                tokens = [await one(session, p) for p in prompts]
-            else:
-                tokens = await asyncio.gather(*(one(session, p) for p in prompts))
-            total += sum(tokens)
-            if time.perf_counter() - t0 >= e.speed_pass_s:
-                return total / (time.perf_counter() - t0)
+        await asyncio.gather(*(user(session, u) for u in range(len(users))))
+    # Each user's own rate, summed: exact however the users' answers line up in time (users
+    # repeating one greedy prompt each stay in step, and a shared window would cut their
+    # rounds at an arbitrary point).
+    return sum(n / (t1 - t0) for n, (t0, t1) in zip(tokens, span, strict=True))
 
 
 def _timed(

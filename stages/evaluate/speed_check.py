@@ -3,8 +3,11 @@ right after the stage's own timing (`eval.speed_check`), so that the ratio a use
 checked by a measurement that shares nothing with it but the server and the prompts.
 
 What differs from the stage's timing (serving._speed): the client (plain HTTP from a pool of
-threads, urllib, not asyncio and aiohttp), the warm-up (two untimed passes of its own), and the
-count (the server's `usage`, summed per pass by this code). benchmarks/speed_probe.py measures
+threads, http.client with one kept-alive connection per thread, not asyncio and aiohttp), the
+warm-up (two untimed passes of its own), and the count (the server's `usage`, summed by this
+code). What is the same is the definition of the rate: steady state, each user (thread) sending
+its next request as soon as its last is answered, counted from the moment every user has had an
+answer. benchmarks/speed_probe.py measures
 fresh servers with this same client.
 
     rates = measure({"draft": (base, model_id), ...}, prompts, c1_prompts=16, max_tokens=96,
@@ -14,9 +17,12 @@ fresh servers with this same client.
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
+import itertools
 import json
+import threading
 import time
-import urllib.request
+import urllib.parse
 from typing import Any
 
 from runner.prompts import Prompt, messages
@@ -29,14 +35,38 @@ WARM_PASSES = 2
 AGREE_WITHIN = 0.10
 
 
-def _completion_tokens(base: str, body: dict[str, Any], timeout_s: float) -> int:
-    request = urllib.request.Request(
-        f"{base}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=timeout_s) as r:
-        return int(json.loads(r.read())["usage"]["completion_tokens"])
+class _Client(threading.local):
+    """One kept-alive HTTP connection per thread: a new connection for every request held the
+    check's client below a fast server's rate at a batch of 80 (docs/benchmarks.md)."""
+
+    conn: http.client.HTTPConnection | None = None
+
+    def completion_tokens(self, base: str, body: dict[str, Any], timeout_s: float) -> int:
+        url = urllib.parse.urlsplit(base)
+        for attempt in (0, 1):  # once more on a fresh connection if the server dropped this one
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+            try:
+                self.conn.request(
+                    "POST",
+                    f"{url.path.rstrip('/')}/v1/chat/completions",
+                    json.dumps(body),
+                    {"Content-Type": "application/json"},
+                )
+                r = self.conn.getresponse()
+                answer = r.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self.conn.close()
+                self.conn = None
+                if attempt:
+                    raise
+                continue
+            if r.status != 200:
+                raise RuntimeError(
+                    f"a speed check request failed: HTTP {r.status}: {answer[:300]!r}"
+                )
+            return int(json.loads(answer)["usage"]["completion_tokens"])
+        raise AssertionError("unreachable")
 
 
 def rate(
@@ -48,26 +78,61 @@ def rate(
     timeout_s: float = 600.0,
     min_pass_s: float = 0.0,
 ) -> float:
-    """Generated tokens per second over `prompts`, greedy, one after another or all at once
-    (one thread each), the whole round again until `min_pass_s` seconds have passed."""
+    """Generated tokens per second at steady state over `prompts`, greedy: one thread going
+    through them in turn, or one thread per prompt (`at_once`), each sending its next request as
+    soon as its last is answered. Counted: the answers after every thread has had one, until
+    `min_pass_s` seconds have passed and every thread has gone through its prompts once more;
+    the rate is the sum of the threads' own rates over those answers."""
+    client = _Client()
+    users = [list(prompts)] if not at_once else [[p] for p in prompts]
+    lock = threading.Lock()
+    stop = threading.Event()
+    answered: set[int] = set()  # threads with one answer: the window opens when all have
+    opened: list[float] = []
+    # Per thread: (answers, tokens, first, last): its answers inside the window, from its last
+    # answer before it to its last inside it.
+    inside: dict[int, tuple[int, int, float, float]] = {}
+    through = 0  # threads that went through all their prompts inside the window
 
-    def one(prompt: Prompt) -> int:
-        body = {
-            "model": model,
-            "messages": messages(prompt),
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "seed": 0,
-        }
-        return _completion_tokens(base, body, timeout_s)
+    def user(u: int) -> None:
+        nonlocal through
+        mine, before = users[u], time.perf_counter()
+        for i in itertools.count():
+            body = {
+                "model": model,
+                "messages": messages(mine[i % len(mine)]),
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "seed": 0,
+            }
+            try:
+                n = client.completion_tokens(base, body, timeout_s)
+            except BaseException:
+                stop.set()  # the others stop too; this error is the one raised
+                raise
+            now = time.perf_counter()
+            with lock:
+                if stop.is_set():
+                    return  # in flight when the window closed: not counted
+                if opened:
+                    k, had, first, _ = inside.get(u, (0, 0, before, before))
+                    inside[u] = (k + 1, had + n, first, now)
+                    if k + 1 == len(mine):
+                        through += 1
+                    if now - opened[0] >= min_pass_s and through == len(users):
+                        stop.set()
+                        return
+                else:
+                    answered.add(u)
+                    if len(answered) == len(users):
+                        opened.append(now)
+            before = now
 
-    with concurrent.futures.ThreadPoolExecutor(len(prompts) if at_once else 1) as pool:
-        t0 = time.perf_counter()
-        tokens = 0
-        while True:  # at least one round, then rounds until min_pass_s
-            tokens += sum(pool.map(one, prompts) if at_once else map(one, prompts))
-            if time.perf_counter() - t0 >= min_pass_s:
-                return tokens / (time.perf_counter() - t0)
+    with concurrent.futures.ThreadPoolExecutor(len(users)) as pool:
+        for f in [pool.submit(user, u) for u in range(len(users))]:
+            f.result()
+    # The threads' own rates, summed (each thread's answers are one after another).
+    return sum(n / (last - first) for _, n, first, last in inside.values())
 
 
 def measure(
