@@ -1,0 +1,117 @@
+"""The two speed clients (the evaluate stage's and eval.speed_check's) against a stand-in endpoint
+that records what it was sent: what each pass puts on a server, not how fast it goes (their
+accuracy against a known rate is benchmarks/speed_clients.py's).
+Run: pytest tests/test_speed_clients.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+TOKENS = 24
+
+
+class StandIn:
+    """An OpenAI-style chat endpoint on a thread of its own: each request answered with TOKENS
+    tokens after `delay` s, times 1 + i for "prompt i" with `staggered` (short and long
+    answers in one batch); it counts requests per prompt, the most in flight at once and the
+    connections opened."""
+
+    def __init__(self, delay: float, staggered: bool = False) -> None:
+        self.delay, self.staggered = delay, staggered
+        self.asked: collections.Counter[str] = collections.Counter()
+        self.in_flight = self.most_in_flight = 0
+        self.peers: set[tuple] = set()  # one client address and port per connection
+        self._up = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+        assert self._up.wait(10)
+
+    def _serve(self) -> None:
+        from aiohttp import web
+
+        async def answer(request: web.Request) -> web.Response:
+            body = await request.json()
+            self.peers.add(request.transport.get_extra_info("peername"))
+            prompt = body["messages"][-1]["content"]
+            self.asked[prompt] += 1
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            await asyncio.sleep(self.delay * (1 + int(prompt.split()[-1]) if self.staggered else 1))
+            self.in_flight -= 1
+            return web.json_response({"choices": [{}], "usage": {"completion_tokens": TOKENS}})
+
+        async def main() -> None:
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", answer)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]
+            self.base = f"http://127.0.0.1:{port}"
+            self._up.set()
+            await asyncio.Event().wait()
+
+        asyncio.run(main())
+
+
+@pytest.fixture
+def stand_in(request):
+    return StandIn(delay=0.05, staggered=getattr(request, "param", False))
+
+
+def _stage_rate(stand_in: StandIn, prompts: list[str], one_at_a_time: bool, pass_s: float):
+    from stages.evaluate import serving
+
+    cfg = SimpleNamespace(
+        eval=SimpleNamespace(max_new_tokens=TOKENS, timeout_s=60, speed_pass_s=pass_s)
+    )
+    server = SimpleNamespace(model_id="m", url=f"{stand_in.base}/v1", check_alive=lambda: None)
+    return asyncio.run(serving._rate(server, prompts, cfg, one_at_a_time=one_at_a_time))
+
+
+PROMPTS = [f"prompt {i}" for i in range(8)]
+
+
+@pytest.mark.parametrize("client", ["stage", "check"])
+def test_a_concurrency_1_pass_times_every_prompt_one_at_a_time(stand_in, client):
+    from stages.evaluate import speed_check
+
+    if client == "stage":
+        rate = _stage_rate(stand_in, PROMPTS, one_at_a_time=True, pass_s=0)
+    else:
+        rate = speed_check.rate(stand_in.base, "m", PROMPTS, TOKENS, at_once=False)
+    assert stand_in.most_in_flight == 1
+    # The first answer opens the window; every prompt is then counted at least once.
+    assert set(stand_in.asked) == set(PROMPTS) and sum(stand_in.asked.values()) >= len(PROMPTS) + 1
+    # A rate over whole requests: at most what the stand-in's delay allows.
+    assert 0 < rate <= TOKENS / stand_in.delay
+
+
+@pytest.mark.parametrize("stand_in", [True], indirect=True)
+@pytest.mark.parametrize("client", ["stage", "check"])
+def test_a_batch_pass_holds_the_whole_batch_on_the_server_and_reuses_its_connections(
+    stand_in, client
+):
+    from stages.evaluate import speed_check
+
+    if client == "stage":
+        rate = _stage_rate(stand_in, PROMPTS, one_at_a_time=False, pass_s=0.5)
+    else:
+        rate = speed_check.rate(stand_in.base, "m", PROMPTS, TOKENS, at_once=True, min_pass_s=0.5)
+    assert stand_in.most_in_flight == len(PROMPTS)
+    # Every user sends its next request when its last is answered, no round waiting for the
+    # slowest: the shortest answer (0.05 s) is asked for about eight times as often as the
+    # longest (0.4 s); rounds would ask for each as often.
+    asked = stand_in.asked
+    assert asked["prompt 0"] >= 4 * asked["prompt 7"] and asked["prompt 7"] >= 2
+    # One connection per user, kept alive (a connection per request would be one per request).
+    assert len(stand_in.peers) <= len(PROMPTS)
+    # The users' own rates summed: what the stand-in gives, sum of TOKENS / delay_i (a
+    # timing figure, so only bounded here; benchmarks/speed_clients.py measures it).
+    assert 0 < rate <= sum(TOKENS / (0.05 * (1 + i)) for i in range(len(PROMPTS)))
