@@ -192,12 +192,13 @@ async def _rate(
     going through `prompts` in turn (concurrency 1), or one user per prompt, all at once. Each
     user sends its next request the moment its last is answered, so the server holds the same
     number of requests throughout; no round waits for its slowest request (rounds of a batch
-    under a second long lost a sixth of a fast server's rate to their start and tail,
-    docs/benchmarks.md). Counted: the answers after the moment every user has had one, until
-    eval.speed_pass_s has passed and every user has gone through its prompts once more; the
-    rate is the sum of the users' own rates over those answers. Plain HTTP: the OpenAI client
-    library's own work per request held the rate of 80 requests at once about a quarter below
-    what the server gave another client, and a speed figure must be the server's."""
+    under a second long lost 7% to 14% of a fast server's rate to their start and tail, against
+    2% to 3% of a slow one's: benchmarks/speed_clients.py). Counted: the answers after the
+    moment every user has had one, until eval.speed_pass_s has passed and every user has gone
+    through its prompts once more; the rate is the sum of the users' own rates over those
+    answers. Plain HTTP: the OpenAI client library's own work per request held the rate of 80
+    requests at once about a quarter below what the server gave another client, and a speed
+    figure must be the server's."""
     import aiohttp
 
     e = cfg.eval
