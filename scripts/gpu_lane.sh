@@ -41,6 +41,7 @@ setup)
 start)
   shift
   rm -f $G/*.rc $G/a?.log $G/b.log $G/c.log $G/lane.log $G/phases.txt
+  date > $G/started
   if [ $# -gt 0 ]; then
     setsid nohup bash -c "$PY -m pytest -m gpu -v -s -p no:cacheprovider $* > $G/lane.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &
   else
@@ -51,6 +52,7 @@ bench)  # a benchmark in the lane's environment, in its own session: bench pytho
   # (several commands joined by ';' all log to bench.log: the whole line runs in one subshell)
   shift
   rm -f $G/*.rc $G/bench.log
+  date > $G/started
   setsid nohup bash -c "( $* ) > $G/bench.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &
   sleep 2; echo "started: $*" ;;
 phases)  # what `start` runs in the background: A side by side, then B, then C
@@ -79,6 +81,12 @@ phases)  # what `start` runs in the background: A side by side, then B, then C
   echo "phase C: $(( $(date +%s) - s )) s" >> $G/phases.txt
   cat $G/*.rc | sort -u | tail -1 > $G/lane.rc ;;
 wait)
+  # A machine that went back between calls comes back bare: say so at once rather than wait
+  # SECONDS for a lane that is not there (the eighth session waited 250 s so).
+  if [ ! -f $G/started ]; then
+    echo "no lane was started on this machine: it is a fresh one (the one that ran start went back); carry the pieces again (recv, setup, start)"
+    exit 3
+  fi
   for _ in $(seq "${2:-1}"); do [ -f $G/lane.rc ] && break; sleep 1; done
   cat $G/phases.txt 2>/dev/null
   for f in $G/*.log; do
