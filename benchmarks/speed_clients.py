@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import socket
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 TOKENS = 96
 # Seconds per request for (kind, server) at the H200's rates: TOKENS x users / tokens per second.
@@ -35,12 +38,22 @@ H200 = {
 }
 
 
-def _stand_in(port: int, delay: multiprocessing.Value) -> None:
+def serve_stand_in(
+    port: int,
+    delay_of: Callable[[str], float],
+    watch: Callable[[Any, str], Any] | None = None,
+    ready: Callable[[int], None] | None = None,
+) -> None:
+    """Serve the stand-in chat endpoint on `port` (0: any free one) until the process ends:
+    each request answered with TOKENS tokens after delay_of(its last user turn) seconds.
+    `watch(request, prompt)`, if given, is a context manager held around each answer (what
+    tests/test_speed_clients.py records); `ready(port)` is called once it listens."""
     from aiohttp import web
 
     async def answer(request: web.Request) -> web.Response:
-        await request.read()
-        await asyncio.sleep(delay.value)
+        prompt = (await request.json())["messages"][-1]["content"]
+        with watch(request, prompt) if watch else contextlib.nullcontext():
+            await asyncio.sleep(delay_of(prompt))
         return web.json_response({"choices": [{}], "usage": {"completion_tokens": TOKENS}})
 
     async def main() -> None:
@@ -48,10 +61,17 @@ def _stand_in(port: int, delay: multiprocessing.Value) -> None:
         app.router.add_post("/v1/chat/completions", answer)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        site = web.TCPSite(runner, "127.0.0.1", port)
+        await site.start()
+        if ready:
+            ready(site._server.sockets[0].getsockname()[1])
         await asyncio.Event().wait()
 
     asyncio.run(main())
+
+
+def _stand_in(port: int, delay: multiprocessing.Value) -> None:
+    serve_stand_in(port, lambda _prompt: delay.value)
 
 
 def _free_port() -> int:

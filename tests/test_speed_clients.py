@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 from types import SimpleNamespace
 
 import pytest
 
-TOKENS = 24
+from benchmarks.speed_clients import TOKENS  # what the stand-in answers with
 
 
 class StandIn:
@@ -32,32 +33,25 @@ class StandIn:
         assert self._up.wait(10)
 
     def _serve(self) -> None:
-        from aiohttp import web
+        from benchmarks.speed_clients import serve_stand_in
 
-        async def answer(request: web.Request) -> web.Response:
-            body = await request.json()
+        def delay_of(prompt: str) -> float:
+            return self.delay * (1 + int(prompt.split()[-1]) if self.staggered else 1)
+
+        @contextlib.contextmanager
+        def watch(request, prompt: str):
             self.peers.add(request.transport.get_extra_info("peername"))
-            prompt = body["messages"][-1]["content"]
             self.asked[prompt] += 1
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
-            await asyncio.sleep(self.delay * (1 + int(prompt.split()[-1]) if self.staggered else 1))
+            yield
             self.in_flight -= 1
-            return web.json_response({"choices": [{}], "usage": {"completion_tokens": TOKENS}})
 
-        async def main() -> None:
-            app = web.Application()
-            app.router.add_post("/v1/chat/completions", answer)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]
+        def ready(port: int) -> None:
             self.base = f"http://127.0.0.1:{port}"
             self._up.set()
-            await asyncio.Event().wait()
 
-        asyncio.run(main())
+        serve_stand_in(0, delay_of, watch, ready)
 
 
 @pytest.fixture
