@@ -804,8 +804,9 @@ class EvalConfig:
     # kernels of another batch shape) when the token it took lies within this logprob gap of the
     # target's own choice there; any other fails the identity check. 0.5: bf16 stores a logit of
     # magnitude 32-64 to a spacing of 0.25, and two kernels summing in another order move it by
-    # a spacing or two. On one H200 the 17 of 160 outputs that diverged did so at gaps of exactly
-    # 0, 0.125 and 0.25 (docs/gpu.md).
+    # a spacing or two. On one H200 the outputs that diverged did so at gaps of exactly 0 to 0.5
+    # in bf16 steps (docs/benchmarks.md); gaps read from fp32 logprobs get 1e-4 of slack
+    # (stages/evaluate/measures.py: LOGPROB_ROUNDING).
     near_tie_gap: float = 0.5
     # The speed ratio (draft-served over the target alone), measured on warm servers this many
     # times at concurrency 1 and at the evaluation's batch (the first set's prompts), after one

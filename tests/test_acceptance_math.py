@@ -118,6 +118,19 @@ def test_a_divergence_at_a_near_tie_is_told_from_a_real_mismatch():
     assert stopped["position"] == 3 and stopped["verdict"] == UNKNOWN
 
 
+def test_a_gap_of_exactly_the_threshold_read_through_fp32_rounding_is_a_near_tie():
+    from stages.evaluate.measures import MISMATCH, NEAR_TIE, divergence
+
+    # What one H200 run's target server gave at humaneval prompt 54: its own choice and the
+    # served token one bf16 spacing (0.5) apart, read back as 0.5 plus one fp32 spacing.
+    top = [[(3725, -0.6931471824645996), (198, -1.1931472420692444)]]
+    near = divergence([198], [3725], top, 0.5)
+    assert near["gap"] > 0.5 and near["verdict"] == NEAR_TIE
+    # One bf16 spacing further (1.0 below) is outside a threshold of 0.5: a real mismatch.
+    far = divergence([198], [3725], [[(3725, -0.2), (198, -1.2)]], 0.5)
+    assert far["verdict"] == MISMATCH
+
+
 def test_the_speed_ratio_pairs_repeats_and_reports_their_spread():
     from stages.evaluate.measures import speed_metrics
 

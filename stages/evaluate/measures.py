@@ -73,6 +73,13 @@ def teacher_forced(train_metrics: dict[str, Any], k: int) -> dict[str, Any]:
 
 
 NEAR_TIE, MISMATCH, UNKNOWN = "near tie", "mismatch", "undetermined"
+# The target's logits are bf16, so a gap between two of them is a whole number of bf16 spacings
+# (0.0625, 0.125, 0.25, 0.5 at the magnitudes seen); vLLM hands them back as fp32 logprobs, whose
+# log-softmax adds a few fp32 spacings either way: one H200 run read one bf16 spacing at 0.5 as
+# 0.49999994 and, in the next run, as 0.50000006, which `gap <= 0.5` failed as a mismatch. Gaps
+# are compared to eval.near_tie_gap with this much slack: far under the smallest bf16 spacing
+# seen, far over fp32's rounding of logprobs near 0.
+LOGPROB_ROUNDING = 1e-4
 
 
 def divergence(
@@ -100,7 +107,7 @@ def divergence(
     lp_took = dict(target_top[j]).get(took) if took is not None else target_top[j][1][1]
     # Not among the target's likeliest: at least as far below as the last of them.
     gap = lp1 - (lp_took if lp_took is not None else target_top[j][-1][1])
-    near = lp_took is not None and gap <= near_tie_gap
+    near = lp_took is not None and gap <= near_tie_gap + LOGPROB_ROUNDING
     return {
         **row,
         "target_token": first,
