@@ -121,8 +121,8 @@ def test_a_divergence_at_a_near_tie_is_told_from_a_real_mismatch():
 def test_a_gap_of_exactly_the_threshold_read_through_fp32_rounding_is_a_near_tie():
     from stages.evaluate.measures import MISMATCH, NEAR_TIE, divergence
 
-    # What one H200 run's target server gave at humaneval prompt 54: its own choice and the
-    # served token one bf16 spacing (0.5) apart, read back as 0.5 plus one fp32 spacing.
+    # The gap one H200 run read at humaneval prompt 54 (0.5000000596: one bf16 spacing, 0.5,
+    # plus one fp32 spacing), between the target's choice and the served token, its runner-up.
     top = [[(3725, -0.6931471824645996), (198, -1.1931472420692444)]]
     near = divergence([198], [3725], top, 0.5)
     assert near["gap"] > 0.5 and near["verdict"] == NEAR_TIE
