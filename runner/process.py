@@ -53,7 +53,7 @@ def _start_reaper(pid: int) -> subprocess.Popen | None:
     path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "runner.reaper", str(pid)],
+            [sys.executable, "-m", "runner.reaper", str(pid), str(os.getpid())],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -1,7 +1,7 @@
 """The reaper: a tiny watcher that kills a managed child's whole process tree the moment the
 runner dies, even by SIGKILL.
 
-    python -m runner.reaper <pid>        # started by runner.process.ManagedProcess, never by hand
+    python -m runner.reaper <pid> <runner pid>   # started by runner.process.ManagedProcess
 
 The runner's direct child already gets SIGTERM from the kernel when the runner dies
 (PR_SET_PDEATHSIG), but what that child started (vLLM's engine core, torchrun's ranks) only
@@ -37,7 +37,7 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def main(pid: int) -> int:
+def main(pid: int, runner_pid: int) -> int:
     seen: set[int] = {pid}
 
     def reap(_signum: int, _frame: object) -> None:
@@ -52,7 +52,9 @@ def main(pid: int) -> int:
     signal.signal(signal.SIGTERM, reap)
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() == 1:  # the runner died before the line above took effect
+    # The runner died before the line above took effect: the reaper already has a new parent
+    # (init, or a subreaper such as a container's init, so not always pid 1).
+    if os.getppid() != runner_pid:
         reap(signal.SIGTERM, None)
     while True:
         if not Path(f"/proc/{pid}").exists():
@@ -62,4 +64,4 @@ def main(pid: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))

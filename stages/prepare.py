@@ -163,13 +163,20 @@ _PR_SET_PDEATHSIG = 1
 CHUNK = 64  # conversations a task: big enough to hide the pickling, small enough to stop soon
 
 
-def _init_worker(path: str, trust_remote_code: bool, chat_template: str | None) -> None:
+def _init_worker(
+    path: str, trust_remote_code: bool, chat_template: str | None, runner_pid: int
+) -> None:
     global _worker_tok
     # A worker dies with the runner, even one killed with -9 (the kernel kills it: nothing else
     # would, and each holds a tokenizer's memory); Ctrl-C reaches the whole foreground group,
     # but only the runner acts on it (it stops the pool).
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # The death signal only covers a runner that dies after the line above. One killed while
+    # this worker was still starting (its imports take seconds on a loaded machine) has already
+    # left it to a new parent, and the worker would wait on the pool's queue forever (seen in CI).
+    if os.getppid() != runner_pid:
+        os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tok = _tokenizer(path, trust_remote_code, chat_template)
 
@@ -224,7 +231,7 @@ def tokenizer_pool(
         max_workers=procs,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(path, trust_remote_code, chat_template),
+        initargs=(path, trust_remote_code, chat_template, os.getpid()),
     )
     return Pool(executor, procs)
 

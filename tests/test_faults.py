@@ -373,16 +373,24 @@ def long_prepare(tmp_path_factory) -> Path:
     return write_chats(tmp_path_factory.mktemp("faults_long") / "chats.jsonl", 60000)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_prepares_worker_processes_end_with_the_runner(tiny_model_dir, long_prepare, tmp_path, sig):
-    """kill -9 or SIGTERM while prepare tokenises in worker processes: within 10 s no process the
-    run started is left (the workers and multiprocessing's resource tracker each held hundreds
-    of MB for minutes), and SIGTERM ends the run in 10 s with 143, not after the chunks in
-    flight: nothing of prepare is published.
+@pytest.mark.parametrize(
+    ("sig", "after"),
+    [(signal.SIGKILL, 0.0), (signal.SIGKILL, 1.0), (signal.SIGTERM, 1.0)],
+    ids=["kill-while-workers-start", "kill-while-tokenising", "term-while-tokenising"],
+)
+def test_prepares_worker_processes_end_with_the_runner(
+    tiny_model_dir, long_prepare, tmp_path, sig, after
+):
+    """kill -9 or SIGTERM while prepare tokenises in worker processes, or kill -9 the moment
+    they are spawned (before they can ask the kernel to end them with the runner: a CI run
+    left both waiting on the pool forever): within 10 s no process the run started is left (the
+    workers and multiprocessing's resource tracker each held hundreds of MB for minutes), and
+    SIGTERM ends the run in 10 s with 143, not after the chunks in flight: nothing of prepare
+    is published.
 
     Each worker's chunk holds 30,000 rows, about 20 s of tokenising here when alone and longer on
     a loaded machine; a CI run under load took 5.4 s to exit, hence 10 s and not 5."""
-    mark = f"{sig.name}-{os.getpid()}"
+    mark = f"{sig.name}-{after}-{os.getpid()}"
     cmd = _cmd(tiny_model_dir, long_prepare, tmp_path, "data.num_samples=60000", "data.num_proc=2")
     proc = start_runner(cmd, {"EAGLE3_TEST_MARK": mark}, stdout=subprocess.DEVNULL)
     try:
@@ -390,8 +398,8 @@ def test_prepares_worker_processes_end_with_the_runner(tiny_model_dir, long_prep
         # Both workers of the pool are up (spawned: `spawn_main` in their command lines).
         while len(_marked(mark, "spawn_main")) < 2:
             assert proc.poll() is None and time.time() < deadline, "the pool never started"
-            time.sleep(0.2)
-        time.sleep(1.0)
+            time.sleep(0.05 if after == 0.0 else 0.2)
+        time.sleep(after)
         t0 = time.time()
         proc.send_signal(sig)
         code = proc.wait(timeout=30)
