@@ -10,8 +10,8 @@ Tolerances, stated:
 - hidden states: per captured slot (the pre-norm final one included), the relative L2 error of the
   vLLM states against an fp32 transformers forward is at most 1.5x that of the bf16 transformers
   states against the same fp32 forward, i.e. vLLM's states are as exact as bf16 allows;
-- drafts: the draft trained on vLLM's states beats a random draft (1.00) clearly, and one trained
-  online on the same states (fetched, not read) accepts within ACCEPTANCE_TOLERANCE of it.
+- drafts: the draft trained on vLLM's states beats a random draft (1.00) clearly, and training
+  online on the same states (fetched, not read) gives the same loss, step by step, within 1%.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from tests.vllm_lane import REDUCED, runner_until, servers_under
 
 pytestmark = pytest.mark.vllm
 
-ACCEPTANCE_TOLERANCE = 0.03
 SAMPLES_COMPARED = 6
 
 
@@ -48,8 +47,8 @@ def runs(root):
     The transformers states it is compared with are computed in the test, on the samples
     compared (test_hidden_states_match_transformers_within_bf16): a whole transformers run
     extracted all 160 rows (about four minutes of CI) to compare six, and the stage's files
-    and slots are checked against transformers by the e2e lane. The online run below serves a
-    second draft from the same states and is held to ACCEPTANCE_TOLERANCE."""
+    and slots are checked against transformers by the e2e lane. The online run below trains
+    from the same states and is held to offline's training, step by step."""
     return {
         "vllm": run_job(
             compose([*REDUCED, "extract=vllm", f"run.output_root={root}", "run.name=parity-vllm"])
@@ -321,37 +320,58 @@ def test_two_servers_write_the_files_one_writes_and_survive_losing_one(runs, roo
 # -- online training (extract.mode=online) and a server that already runs -----------------------
 
 
+# Online and offline training compared over their first ONLINE_STEPS steps, each a run of that
+# length (the learning-rate schedule spans the run): the whole epoch online took 313 s here, 2.8x
+# offline's, with the server's forward on one of the two cores.
+ONLINE_STEPS = 40
+
+
+def _losses(run) -> dict[int, float]:
+    lines = (run.results["train"].path / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r}
+
+
 @pytest.fixture(scope="module")
 def online_run(runs, root):
-    """The same rows and settings as the offline runs, trained online against a vLLM server."""
-    return run_job(
-        compose([*REDUCED, "extract=online", f"run.output_root={root}", "run.name=online"])
-    )
+    """The same rows and settings as the offline run, trained online against a vLLM server, and
+    trained offline from the stored states for as many steps."""
+    short = [*REDUCED, f"train.max_steps={ONLINE_STEPS}", "train.log_freq=1"]
+    short += [f"run.output_root={root}", "run.stages=[prepare,extract,vocab,train]"]
+    offline = run_job(compose([*short, "extract=vllm", "run.name=offline-short"]))
+    online = run_job(compose([*short, "extract=online", "run.name=online"]))
+    return online, offline
 
 
-def test_online_training_stores_nothing_and_accepts_like_offline(runs, online_run, root):
-    ext = online_run.results["extract"]
+def test_online_training_stores_nothing_and_trains_as_offline_does(runs, online_run, root):
+    online, offline = online_run
+    ext = online.results["extract"]
     assert not (ext.path / "hidden_states").exists() and ext.metrics["bytes"] == 0
     served = json.loads((ext.path / "served.json").read_text())
     assert served["capture_ids"] == [2, 15, 27, 30] and served["vllm"] != "absent"
     assert "extract_hidden_states" in " ".join(served["server_args"])
-    train = online_run.results["train"]
+    train = online.results["train"]
     manifest = json.loads((train.path / "manifest.json").read_text())
     assert "vllm_endpoint" in manifest["speculators_settings"]
     assert manifest["served"]["probe_shape"][1] == 4
     # speculators deletes each fetched file once loaded: nothing piles up while training.
     assert not list((root / "scratch").glob("train-*/online_states/*.safetensors"))
-    offline, online = runs["vllm"], online_run
+    # Offline trained on the shared run's stored states (its extraction was reused).
+    assert offline.results["extract"].path == runs["vllm"].results["extract"].path
     t_off = offline.results["train"].metrics["seconds_per_epoch"]
-    t_on = online.results["train"].metrics["seconds_per_epoch"]
+    t_on = train.metrics["seconds_per_epoch"]
+    on, off = _losses(online), _losses(offline)
+    worst = max(abs(on[k] - off[k]) / off[k] for k in off)
     print(
-        f"acceptance length offline (vLLM states) {offline.objective:.3f}, online "
-        f"{online.objective:.3f}; seconds per epoch offline {t_off:.1f}, online {t_on:.1f} "
-        f"({t_on / t_off:.2f}x), online server start "
-        f"{online.results['train'].metrics['server_start_s']:.1f} s"
+        f"{ONLINE_STEPS} steps, online vs offline: worst relative loss difference {worst:.2e}; "
+        f"seconds offline {t_off:.1f}, online {t_on:.1f} ({t_on / t_off:.2f}x), online server "
+        f"start {train.metrics['server_start_s']:.1f} s"
     )
-    # The same vLLM states, fetched rather than read: only bf16 batching noise differs.
-    assert abs(online.objective - offline.objective) <= ACCEPTANCE_TOLERANCE
+    # The same vLLM states, fetched rather than read, the same rows in the same order: the same
+    # training, step by step (equal to the last bit here; 1% leaves room for bf16 batching noise,
+    # while states of another layer or row move the loss by far more within a few steps). The
+    # draft it makes is then the offline one, whose served acceptance the tests above measure.
+    assert sorted(on) == sorted(off) == list(range(ONLINE_STEPS))
+    assert worst <= 0.01, worst
 
 
 @pytest.fixture(scope="module")
@@ -361,7 +381,7 @@ def existing_server(online_run, root):
     box."""
     from runner.vllm_server import VllmServer
 
-    served = json.loads((online_run.results["extract"].path / "served.json").read_text())
+    served = json.loads((online_run[0].results["extract"].path / "served.json").read_text())
     staging = root / "endpoint_states"
     args = [
         a.replace("<train work folder>/online_states", str(staging)) for a in served["server_args"]
