@@ -137,6 +137,9 @@ def test_an_online_capture_layer_sweep_shares_one_server(root):
             "extract.superset_presets=[default,late]",
             "data.num_samples=24",
             "train.epochs=1",
+            # A few steps each: what is tested is one server for both jobs and each job's slots,
+            # not the drafts (an epoch of 22 steps online took 46 s a job here, 2 minutes in CI).
+            "train.max_steps=6",
             "run.stages=[prepare,extract,vocab,train]",
             f"run.output_root={sweep}",
             f"hydra.sweep.dir={sweep}/multirun",
