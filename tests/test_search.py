@@ -32,6 +32,9 @@ def test_an_optuna_search_maximizes_acceptance_with_intervals(tmp_path):
         f"run.output_root={tmp_path}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
         "hydra.sweeper.n_trials=2",
+        # What is tested is the search (each trial a child with its objective, Optuna told it,
+        # shared stages), not the drafts: 8 steps a trial, where the epoch took 28 s a trial here.
+        "train.max_steps=8",
         "eval.prompts=[mtbench]",
         "eval.num_prompts=4",
         "eval.compare_target=false",
