@@ -36,11 +36,22 @@ log = logging.getLogger("runner")
 _PR_SET_PDEATHSIG = 1
 
 
+def die_with_parent(sig: int, parent_pid: int | None = None) -> bool:
+    """Ask the kernel to send this process `sig` when its parent dies (PR_SET_PDEATHSIG), and,
+    given the pid the parent had, say whether it is still the parent. The request covers only a
+    parent that dies after it: one killed before (while a spawned worker was still importing) has
+    already left this process to a new parent (init, or a subreaper such as a container's init,
+    so not always pid 1), and the caller must end itself."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    return parent_pid is None or os.getppid() == parent_pid
+
+
 def _die_with_parent() -> None:
     # Runs in the child before exec: if the runner is killed outright (SIGKILL), the kernel sends
-    # the child SIGTERM instead of leaving it orphaned and holding the machine.
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    # the child SIGTERM instead of leaving it orphaned and holding the machine. (Popen waits for
+    # the exec, so the runner is alive here.)
+    die_with_parent(signal.SIGTERM)
 
 
 def _raise_system_exit(signum: int, _frame: Any) -> None:

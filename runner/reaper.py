@@ -14,16 +14,13 @@ once. When the runner stops the child normally it kills the reaper first (SIGKIL
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
-from runner.process import children  # stdlib only: the reaper starts in milliseconds
-
-_PR_SET_PDEATHSIG = 1
+from runner.process import children, die_with_parent  # stdlib only: starts in milliseconds
 
 
 def _descendants(pid: int) -> set[int]:
@@ -50,11 +47,7 @@ def main(pid: int, runner_pid: int) -> int:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, reap)
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    # The runner died before the line above took effect: the reaper already has a new parent
-    # (init, or a subreaper such as a container's init, so not always pid 1).
-    if os.getppid() != runner_pid:
+    if not die_with_parent(signal.SIGTERM, runner_pid):  # the runner died as the reaper started
         reap(signal.SIGTERM, None)
     while True:
         if not Path(f"/proc/{pid}").exists():

@@ -24,7 +24,6 @@ tokenizer's own `apply_chat_template` renders, so no server is needed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import logging
@@ -47,6 +46,7 @@ from runner.errors import ConfigError
 from runner.layout import RunLayout
 from runner.mixing import Source, about, interleave, key_of, sources
 from runner.plan_tokenizer import plan_tokenizer, remembered
+from runner.process import die_with_parent
 from runner.schema import RunnerConfig
 from runner.stage import Plan, PlanView, Stage, StageContext
 from runner.target_facts import ModelFacts, Target, target_context
@@ -159,7 +159,6 @@ def _tokenizer(path: str, trust_remote_code: bool, chat_template: str | None) ->
 # Worker processes: each loads the tokenizer from disk once (a remote-code tokenizer's class
 # cannot always be pickled), then tokenises chunks of conversations in the order given.
 _worker_tok: Any = None
-_PR_SET_PDEATHSIG = 1
 CHUNK = 64  # conversations a task: big enough to hide the pickling, small enough to stop soon
 
 
@@ -168,14 +167,10 @@ def _init_worker(
 ) -> None:
     global _worker_tok
     # A worker dies with the runner, even one killed with -9 (the kernel kills it: nothing else
-    # would, and each holds a tokenizer's memory); Ctrl-C reaches the whole foreground group,
-    # but only the runner acts on it (it stops the pool).
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    # The death signal only covers a runner that dies after the line above. One killed while
-    # this worker was still starting (its imports take seconds on a loaded machine) has already
-    # left it to a new parent, and the worker would wait on the pool's queue forever (seen in CI).
-    if os.getppid() != runner_pid:
+    # would, and each holds a tokenizer's memory); one whose runner was killed while it started
+    # exits here, or it would wait on the pool's queue for good (seen in CI). Ctrl-C reaches the
+    # whole foreground group, but only the runner acts on it (it stops the pool).
+    if not die_with_parent(signal.SIGKILL, runner_pid):
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tok = _tokenizer(path, trust_remote_code, chat_template)

@@ -398,7 +398,7 @@ def test_prepares_worker_processes_end_with_the_runner(
         # Both workers of the pool are up (spawned: `spawn_main` in their command lines).
         while len(_marked(mark, "spawn_main")) < 2:
             assert proc.poll() is None and time.time() < deadline, "the pool never started"
-            time.sleep(0.05 if after == 0.0 else 0.2)
+            time.sleep(0.05)
         time.sleep(after)
         t0 = time.time()
         proc.send_signal(sig)
