@@ -80,9 +80,8 @@ def test_hidden_states_match_transformers_within_bf16(runs):
         )
         for dtype in (torch.bfloat16, torch.float32)
     }
-    rows = datasets.load_from_disk(str(run.results["prepare"].path / "dataset")).with_format(
-        "torch"
-    )
+    rows = datasets.load_from_disk(str(run.results["prepare"].path / "dataset"))
+    rows = rows.with_format("torch")
     n = len(ids)
     err_v, err_h, norm, max_abs = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
     for i in range(SAMPLES_COMPARED):
