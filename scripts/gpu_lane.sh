@@ -7,7 +7,9 @@
 #                                            say which are still missing
 #   bash scripts/gpu_lane.sh setup           join and check the pieces, install the wheels
 #   bash scripts/gpu_lane.sh start [TESTS]   the GPU lane (pytest -m gpu) in its own session, in
-#                                            three phases (below), or only TESTS, in one process
+#                                            three phases (below), or only TESTS, in one process;
+#                                            GPU_LANE_PARTS="a1 a2 b" runs only those parts of
+#                                            the phases (a machine lost midway: the rest)
 #   bash scripts/gpu_lane.sh bench CMD...    a benchmark (e.g. python -m benchmarks.vllm_extract_bench)
 #   bash scripts/gpu_lane.sh wait SECONDS    until it ends or SECONDS pass; its latest lines
 #   bash scripts/gpu_lane.sh fetch           its logs and figures to $OUT
@@ -59,6 +61,7 @@ phases)  # what `start` runs in the background: A side by side, then B, then C
   L=tests/test_gpu_lane.py
   lane() {  # NAME ROOT TESTS...: one pytest process, its log $G/NAME.log, its exit in NAME.rc
     local name=$1 root=$2; shift 2
+    case " ${GPU_LANE_PARTS:-a1 a2 a3 a4 a5 b c} " in *" $name "*) ;; *) return 0 ;; esac
     EAGLE3_GPU_LANE_ROOT=$root $PY -m pytest -m gpu -v -s -p no:cacheprovider "$@" > $G/$name.log 2>&1
     echo $? > $G/$name.rc
   }
@@ -67,8 +70,8 @@ phases)  # what `start` runs in the background: A side by side, then B, then C
   lane a1 $G/root $L::test_the_gpu_recipe_trains_and_keeps_every_epochs_draft \
     $L::test_the_learning_curve_each_epochs_draft_served &
   lane a2 $G/root_kimi tests/test_kimi_miniature.py &
-  lane a3 $G/root_a3 $L::test_online_training_shares_the_one_gpu_with_its_server \
-    $L::test_regeneration_through_vllm_on_the_gpu \
+  lane a3 $G/root_a3 $L::test_online_training_shares_the_one_gpu_with_its_server &
+  lane a5 $G/root_a5 $L::test_regeneration_through_vllm_on_the_gpu \
     $L::test_vllm_extraction_matches_the_in_process_backend_on_the_gpu &
   lane a4 $G/root_a4 $L::test_a_stopped_gpu_training_resumes_and_redoes_no_step \
     tests/test_train_resume.py &
@@ -79,7 +82,7 @@ phases)  # what `start` runs in the background: A side by side, then B, then C
   echo "phase B: $(( $(date +%s) - s )) s" >> $G/phases.txt
   lane c $G/root $L::test_the_published_cards_command_serves_the_draft
   echo "phase C: $(( $(date +%s) - s )) s" >> $G/phases.txt
-  cat $G/*.rc | sort -u | tail -1 > $G/lane.rc ;;
+  cat $G/*.rc 2>/dev/null | sort -u | tail -1 > $G/lane.rc ;;
 wait)
   # A machine that went back between calls comes back bare: say so at once rather than wait
   # SECONDS for a lane that is not there (the eighth session waited 250 s so).
@@ -109,5 +112,5 @@ fetch)
 stop)  # (bracketed patterns: a pattern must not match the command line of the call that runs it)
   pkill -f "gpu_lane.sh [p]hases"; pkill -f "pytest -m [g]pu"; pkill -f "[b]enchmarks\."
   pkill -f "[v]llm.entrypoints"; sleep 3; pkill -9 -f "[v]llm.entrypoints"; echo stopped ;;
-*) sed -n 2,18p "$0"; exit 2 ;;
+*) sed -n 2,21p "$0"; exit 2 ;;
 esac
