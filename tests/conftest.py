@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import time
@@ -191,6 +192,21 @@ def make_tiny_llama(out: Path, tokenizer, num_layers: int = 4) -> Path:
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def runner_log(caplog):
+    """caplog that sees the runner's own lines. runner/job.py prints them through the "runner"
+    logger's own handler and keeps them off the root logger, where caplog listens: a test that
+    reads them from caplog alone passed only after another test had set that logger up otherwise
+    (tests/test_mixing.py's worker test failed when run by itself)."""
+    logger = logging.getLogger("runner")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="runner")  # restored after the test
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
 
 
 @pytest.fixture(scope="session")

@@ -119,7 +119,7 @@ def test_weights_share_the_rows_and_bad_entries_name_their_key(
 
 
 def test_worker_processes_give_the_rows_of_one_process(
-    tiny_model_dir, chats_jsonl, tmp_path, caplog
+    tiny_model_dir, chats_jsonl, tmp_path, runner_log
 ):
     """data.num_proc tokenises in worker processes (a GPU box's 17.5k ShareGPT conversations took
     130 s in one): the same rows in the same order, the same counts of what was read and dropped,
@@ -147,7 +147,7 @@ def test_worker_processes_give_the_rows_of_one_process(
             rows["input_ids"],
             rows["loss_mask"],
         )
-    assert "tokenising in 3 processes" in caplog.text
+    assert "tokenising in 3 processes" in runner_log.text
     one, three = prepared[1], prepared[3]
     metrics = one[0]
     assert metrics["rows_from"] == {"sharegpt": 300, "chats": 60}
