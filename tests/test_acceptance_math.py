@@ -164,10 +164,8 @@ H200_BATCH = {
 
 
 def test_a_speed_check_miss_inside_both_measurements_noise_is_told_apart_from_a_fault(tmp_path):
-    import math
-
     from runner.schema import typed
-    from stages.evaluate.measures import speed_metrics
+    from stages.evaluate.measures import paired_noise, speed_metrics
     from stages.evaluate.report import summary
     from stages.evaluate.speed_check import agreement
     from tests.conftest import compose
@@ -177,10 +175,14 @@ def test_a_speed_check_miss_inside_both_measurements_noise_is_told_apart_from_a_
     theirs = speed_metrics(
         {"c1": [], "batch": h["draft_check"]}, {"c1": [], "batch": h["target_check"]}
     )
-    half = math.hypot(ours["speedup_batch_ci_half_log"], theirs["speedup_batch_ci_half_log"])
-    got = agreement(
-        {"batch": ours["speedup_batch"]}, {"batch": theirs["speedup_batch"]}, {"batch": half}
-    )
+    speeds = {
+        s: {"c1": [], "batch": h[s], "check": {"c1": [], "batch": h[f"{s}_check"]}}
+        for s in ("draft", "target")
+    }
+    noise = paired_noise(speeds)
+    assert set(noise) == {"batch"}  # no concurrency-1 repeats, no noise for them
+    half = noise["batch"]
+    got = agreement({"batch": ours["speedup_batch"]}, {"batch": theirs["speedup_batch"]}, noise)
     # 0.306x against 0.357x: 14% apart, more than 10%, but each ratio's interval is about ±20%.
     assert got["speed_check_agrees"] == 0 and got["speed_check_batch_within_noise"] == 1
     assert round(got["speed_check_batch_diff"], 3) == -0.142
@@ -203,6 +205,36 @@ def test_a_speed_check_miss_inside_both_measurements_noise_is_told_apart_from_a_
         x for x in summary({**base, **fault}, tmp_path, cfg) if x.startswith("speed checked")
     )
     assert "SPEED CHECK DISAGREES, by more than the two measurements' own noise" in line
+
+
+def test_timings_side_by_side_cancel_a_level_both_clients_see():
+    """The eleventh H200 session: the draft's server at concurrency 1 moved between about 255
+    and 335 tok/s. When both clients time each repeat side by side they meet the same level, and
+    the paired noise is the clients' own disagreement (2% here), not the server's levels (an
+    interval of about ±25% per ratio)."""
+    import math
+
+    from stages.evaluate.measures import paired_noise, speed_metrics
+    from stages.evaluate.speed_check import agreement
+
+    level = [255.0, 335.0, 335.0, 255.0, 335.0]
+    target = [438.0, 470.0, 410.0, 450.0, 430.0]
+    wobble = [1.01, 0.99, 1.02, 0.98, 1.0]  # the check's own per-repeat error
+    speeds = {
+        "draft": {"c1": level, "batch": [], "check": {"c1": level, "batch": []}},
+        "target": {
+            "c1": target,
+            "batch": [],
+            "check": {"c1": [t * w for t, w in zip(target, wobble, strict=True)], "batch": []},
+        },
+    }
+    noise = paired_noise(speeds)
+    assert math.exp(noise["c1"]) - 1 < 0.03
+    ours = speed_metrics({"c1": level, "batch": []}, {"c1": target, "batch": []})
+    assert ours["speedup_c1_ci_high"] / ours["speedup_c1_ci_low"] > 1.3  # each ratio: wide
+    theirs = speed_metrics(speeds["draft"]["check"], speeds["target"]["check"])
+    got = agreement({"c1": ours["speedup_c1"]}, {"c1": theirs["speedup_c1"]}, noise)
+    assert got["speed_check_agrees"] == 1 and got["speed_check_c1_within_noise"] == 1
 
 
 def test_the_speed_check_flags_a_ratio_more_than_ten_percent_off_the_second_measurement(tmp_path):

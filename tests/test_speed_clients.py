@@ -109,3 +109,35 @@ def test_a_batch_pass_holds_the_whole_batch_on_the_server_and_reuses_its_connect
     # The users' own rates summed: what the stand-in gives, sum of TOKENS / delay_i (a
     # timing figure, so only bounded here; benchmarks/speed_clients.py measures it).
     assert 0 < rate <= sum(TOKENS / (0.05 * (1 + i)) for i in range(len(PROMPTS)))
+
+
+def test_with_the_check_each_timing_has_the_independent_clients_beside_it():
+    """eval.speed_check: the independent client times the same server at the same concurrency
+    right beside each of the stage's timings, the two in alternating order, so that both meet
+    the same state of the machine (serving._speed)."""
+    from stages.evaluate import serving
+
+    stand_ins = {"draft": StandIn(delay=0.01), "target": StandIn(delay=0.01)}
+    servers = {
+        label: SimpleNamespace(
+            model_id="m", base=s.base, url=f"{s.base}/v1", check_alive=lambda: None
+        )
+        for label, s in stand_ins.items()
+    }
+    e = SimpleNamespace(max_new_tokens=TOKENS, timeout_s=60, speed_pass_s=0, speed_prompts=2)
+    out = serving._speed(servers, PROMPTS[:4], SimpleNamespace(eval=e), repeats=3, check=True)
+    timings = []
+    for label in servers:
+        for who, got in (("stage", out[label]), ("check", out[label]["check"])):
+            for kind in ("c1", "batch"):
+                assert len(got[kind]) == 3 and all(r > 0 for r in got[kind])
+                timings += [(at, label, kind, who) for at in got["at"][kind]]
+    timings.sort()
+    # In twos: the same server and concurrency, one timing by each client, whose order turns.
+    pairs = [timings[i : i + 2] for i in range(0, len(timings), 2)]
+    assert all(a[1:3] == b[1:3] and {a[3], b[3]} == {"stage", "check"} for a, b in pairs)
+    firsts = [a[3] for a, _ in pairs]
+    assert firsts == ["stage", "check"] * (len(pairs) // 2)
+    # Without the check, only the stage's timings.
+    alone = serving._speed(servers, PROMPTS[:4], SimpleNamespace(eval=e), repeats=2)
+    assert "check" not in alone["draft"] and len(alone["target"]["batch"]) == 2

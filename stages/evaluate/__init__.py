@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from stages.evaluate.measures import (
     acceptance,
     divergence,
     identity_counts,
+    paired_noise,
     prompt_cells,
     prompt_interval,
     report_mismatches,
@@ -195,16 +195,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
             if "check" in speeds["draft"]:
                 check = speed_metrics(speeds["draft"]["check"], speeds["target"]["check"])
                 kinds = ("c1", "batch")
-                halves = [f"speedup_{k}_ci_half_log" for k in kinds]
                 metrics.update(
                     agreement(
                         {k: metrics[f"speedup_{k}"] for k in kinds},
                         {k: check[f"speedup_{k}"] for k in kinds},
-                        {
-                            k: math.hypot(metrics[h], check[h])
-                            for k, h in zip(kinds, halves, strict=True)
-                            if h in metrics and h in check
-                        },
+                        paired_noise(speeds),
                     )
                 )
             for server, speed in speeds.items():

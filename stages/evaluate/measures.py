@@ -152,6 +152,28 @@ def speed_metrics(draft: dict[str, list[float]], target: dict[str, list[float]])
     return out
 
 
+def paired_noise(speeds: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The noise of the stage's speed ratio against the independent client's, per kind (c1,
+    batch): half the width of the 95% interval of the per-repeat differences of the two
+    clients' log ratios, each repeat's pair timed side by side on the same servers
+    (serving._speed). Both clients read one state of the machine in a repeat, so what moves
+    both (a slow minute, a server between its levels) cancels, and what is left is the
+    clients' own disagreement. Kinds with fewer than two repeats are left out."""
+    import math
+
+    draft, target = speeds["draft"], speeds["target"]
+    out: dict[str, float] = {}
+    for kind in ("c1", "batch"):
+        pairs = zip(
+            draft[kind], target[kind], draft["check"][kind], target["check"][kind], strict=True
+        )
+        diffs = [math.log((d / t) / (dc / tc)) for d, t, dc, tc in pairs]
+        if len(diffs) > 1:
+            r = replicates(diffs)
+            out[kind] = (r.hi - r.lo) / 2
+    return out
+
+
 def prompt_cells(per_prompt: list[dict[str, Any]], i: int) -> dict[str, Any]:
     """One prompt's acceptance in the per-prompt table (MLflow's evaluate/prompts.json)."""
     if i >= len(per_prompt):

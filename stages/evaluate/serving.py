@@ -164,21 +164,64 @@ def alternating(labels: list[str], passes: int) -> list[list[str]]:
 
 
 def _speed(
-    servers: dict[str, Server], prompts: list[Prompt], cfg: RunnerConfig, repeats: int
+    servers: dict[str, Server],
+    prompts: list[Prompt],
+    cfg: RunnerConfig,
+    repeats: int,
+    check: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Generated tokens per second of each server, warm, `repeats` times each: at concurrency 1
     (the first eval.speed_prompts prompts one after another) and at the evaluation's batch (the
     set's prompts all at once). One pass of both comes first, untimed: the batch's shapes are new
     to a server after the warm-up, and the first pass at them ran slower. With several servers
-    up, each pass times them in turn, in alternating order."""
-    out: dict[str, dict[str, Any]] = {label: {"c1": [], "batch": []} for label in servers}
+    up, each pass times them in turn, in alternating order. Each timing's start (Unix time) is
+    kept under "at", to set beside the machine's own record of those seconds (GPU clocks, load).
+
+    With `check` (eval.speed_check), the independent client (speed_check.rate) times the same
+    server at the same concurrency right beside each of these timings, the two clients' order
+    alternating, after its own untimed passes. Timed in separate blocks, one after the other,
+    the two clients met different states of the machine: one server's passes on the H200 moved
+    between two levels 25% apart, so two blocks of 5 differed by up to 14% with no fault in
+    either client (docs/benchmarks.md). Side by side, both read the same state, and the
+    per-repeat differences between them (measures.paired_noise) are the check's noise."""
+    labels = list(servers)
+    out: dict[str, dict[str, Any]] = {
+        label: {"c1": [], "batch": [], "at": {"c1": [], "batch": []}} for label in labels
+    }
+    if check:
+        for label in labels:
+            out[label]["check"] = {"c1": [], "batch": [], "at": {"c1": [], "batch": []}}
     few = prompts[: cfg.eval.speed_prompts]
-    for i, order in enumerate(alternating(list(servers), 1 + repeats)):
+    turn = 0  # which client goes first, alternating from one timing to the next
+    for i, order in enumerate(alternating(labels, 1 + repeats)):
         for kind, chosen, alone in (("c1", few, True), ("batch", prompts, False)):
             for label in order:
-                rate = asyncio.run(_rate(servers[label], chosen, cfg, one_at_a_time=alone))
-                if i > 0:
-                    out[label][kind].append(rate)
+                server = servers[label]
+
+                def ours(server=server, chosen=chosen, alone=alone) -> float:
+                    return asyncio.run(_rate(server, chosen, cfg, one_at_a_time=alone))
+
+                def theirs(server=server, chosen=chosen, alone=alone) -> float:
+                    return speed_check.rate(
+                        server.base,
+                        server.model_id,
+                        chosen,
+                        cfg.eval.max_new_tokens,
+                        at_once=not alone,
+                        min_pass_s=cfg.eval.speed_pass_s,
+                    )
+
+                if i == 0:  # untimed: each client's own warm-up
+                    ours()
+                    for _ in range(speed_check.WARM_PASSES if check else 0):
+                        theirs()
+                    continue
+                clients = [("stage", ours), *([("check", theirs)] if check else [])]
+                for who, measure in clients[::-1] if turn % 2 else clients:
+                    into = out[label] if who == "stage" else out[label]["check"]
+                    into["at"][kind].append(round(time.time(), 3))
+                    into[kind].append(measure())
+                turn += 1
     return out
 
 
@@ -262,8 +305,8 @@ async def _rate(
 def _timed(
     servers: dict[str, Server], first: list[Prompt], cfg: RunnerConfig, repeats: int
 ) -> dict[str, dict[str, Any]]:
-    """Each server's speed (`_speed`), then, with eval.speed_check, the same again by the
-    independent client, and whether each server's graphs were compiled in this start."""
+    """Each server's speed (`_speed`; with eval.speed_check, each timing beside the independent
+    client's), and whether each server's graphs were compiled in this start."""
     log.info(
         "[evaluate] %s: timing (1 untimed pass, then %d timed) at concurrency 1 and at batch %d%s",
         " and ".join(servers),
@@ -271,20 +314,12 @@ def _timed(
         len(first),
         ", the servers' passes alternating" if len(servers) > 1 else "",
     )
-    with quiet_http_logs():
-        speed = _speed(servers, first, cfg, repeats)
     if cfg.eval.speed_check:
-        log.info("[evaluate] the speed again, by an independent client (eval.speed_check)")
-        checked = speed_check.measure(
-            {label: (s.base, s.model_id) for label, s in servers.items()},
-            first,
-            cfg.eval.speed_prompts,
-            cfg.eval.max_new_tokens,
-            repeats,
-            min_pass_s=cfg.eval.speed_pass_s,
+        log.info(
+            "[evaluate] each timing beside another by an independent client (eval.speed_check)"
         )
-        for label in servers:
-            speed[label]["check"] = checked[label]
+    with quiet_http_logs():
+        speed = _speed(servers, first, cfg, repeats, check=cfg.eval.speed_check)
     for label, s in servers.items():
         if isinstance(s, VllmServer):
             speed[label]["compile_cache"] = s.compile_cache()

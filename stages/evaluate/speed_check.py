@@ -1,6 +1,7 @@
 """A second measurement of an evaluation server's speed by other code, on the same warm server,
-right after the stage's own timing (`eval.speed_check`), so that the ratio a user is shown is
-checked by a measurement that shares nothing with it but the server and the prompts.
+each timing right beside the stage's own (`eval.speed_check`; serving._speed interleaves the
+two), so that the ratio a user is shown is checked by a measurement that shares nothing with it
+but the server, the prompts and the moment.
 
 What differs from the stage's timing (serving._speed): the client (plain HTTP from a pool of
 threads, http.client with one kept-alive connection per thread, not asyncio and aiohttp), the
@@ -10,6 +11,7 @@ its next request as soon as its last is answered, counted from the moment every 
 answer. benchmarks/speed_probe.py measures
 fresh servers with this same client.
 
+    tok_s = rate(base, model_id, prompts, max_tokens=96, at_once=True, min_pass_s=5)
     rates = measure({"draft": (base, model_id), ...}, prompts, c1_prompts=16, max_tokens=96,
                     repeats=5, min_pass_s=5)   # {"draft": {"c1": [tok/s, ...], ...}, ...}
 """
@@ -171,10 +173,11 @@ def agreement(
 ) -> dict[str, Any]:
     """The check's ratios beside the stage's: for each of c1 and batch, the check's ratio and the
     stage's relative difference from it; `speed_check_agrees` is 1 when every one is within
-    AGREE_WITHIN. `noise` (kind -> half-width of the two ratios' 95% intervals on the log scale,
-    combined: sqrt(h_stage^2 + h_check^2)) adds `speed_check_{kind}_within_noise`: whether the
-    two differ by less than their own repeats' noise, which says whether a miss of AGREE_WITHIN
-    is a fault of the measurement or too few repeats to resolve 10%."""
+    AGREE_WITHIN. `noise` (kind -> half-width of the 95% interval, on the log scale, of the two
+    clients' per-repeat differences: measures.paired_noise) adds
+    `speed_check_{kind}_within_noise`: whether the two differ by less than that noise, which
+    says whether a miss of AGREE_WITHIN is a fault of the measurement or too few repeats to
+    resolve 10%."""
     import math
 
     out: dict[str, Any] = {}
