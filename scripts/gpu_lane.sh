@@ -5,11 +5,15 @@
 # session between calls. Usage, one verb per call (docs/gpu.md):
 #   bash scripts/gpu_lane.sh recv            keep the carried piece(s) of .gpu/pieces in /tmp/gpu,
 #                                            say which are still missing
+#   bash scripts/gpu_lane.sh facts           the machine: cores, NUMA nodes, the GPU's own
+#                                            cores, clocks (what a speed figure depends on)
 #   bash scripts/gpu_lane.sh setup           join and check the pieces, install the wheels
 #   bash scripts/gpu_lane.sh start [TESTS]   the GPU lane (pytest -m gpu) in its own session, in
 #                                            three phases (below), or only TESTS, in one process;
 #                                            GPU_LANE_PARTS="a1 a2 b" runs only those parts of
-#                                            the phases (a machine lost midway: the rest)
+#                                            the phases (a machine lost midway: the rest);
+#                                            GPU_LANE_B_CPUS="0-7 8-15" pins B's client and its
+#                                            vLLM servers to those cores (taskset)
 #   bash scripts/gpu_lane.sh bench CMD...    a benchmark (e.g. python -m benchmarks.vllm_extract_bench)
 #   bash scripts/gpu_lane.sh wait SECONDS    until it ends or SECONDS pass; its latest lines
 #   bash scripts/gpu_lane.sh fetch           its logs and figures to $OUT
@@ -18,7 +22,10 @@
 # each vLLM server with 15% of the GPU's memory (EAGLE3_GPU_LANE_OVERRIDES), extraction's
 # parity among them (its two rates then share the GPU: the alone figures are in
 # docs/benchmarks.md); (B) alone, the speed figures: the pipeline's evaluation (its stages come
-# from A) with its speed check; (C) the published card's command.
+# from A) with its speed check, the GPU's clocks and the cores' load sampled every second
+# beside it (b_gpu.csv, b_cpu.log); (C) the published card's command. Part r, not in the default
+# parts, is the GPU recipe on the target's own answers (all of ShareGPT regenerated through
+# vLLM, 4 epochs): up to training in A, its evaluation after C (D).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 G=/tmp/gpu; mkdir -p $G/pieces
@@ -34,6 +41,13 @@ recv)  # carry SHA256SUMS with every piece: a machine lost between calls comes b
   # this says at once what it lacks (the sixth session lost one so, after the first piece)
   for f in .gpu/pieces/*; do [ -f "$f" ] && [ ! -e $G/pieces/$(basename "$f") ] && cp "$f" $G/pieces/; done
   $PY scripts/wheelhouse.py missing $G/pieces ;;
+facts)
+  nproc; lscpu | grep -i "model name\|^cpu(s)\|thread\|core(s)\|socket\|numa\|mhz"
+  nvidia-smi --query-gpu=name,pci.bus_id,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,pstate --format=csv
+  bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader | head -1 | tr 'A-F' 'a-f' | sed 's/^0000//; s/^/0000/')
+  echo "the GPU's NUMA node $(cat /sys/bus/pci/devices/${bus:4}/numa_node 2>/dev/null || cat /sys/bus/pci/devices/$bus/numa_node 2>/dev/null), its cores $(cat /sys/bus/pci/devices/${bus:4}/local_cpulist 2>/dev/null || cat /sys/bus/pci/devices/$bus/local_cpulist 2>/dev/null)"
+  for c in /sys/devices/system/cpu/cpu[0-9]*; do printf "%s:%s " "${c##*cpu}" "$(cat $c/topology/thread_siblings_list 2>/dev/null)"; done; echo
+  command -v taskset numactl ;;
 setup)
   s=$(date +%s)
   $PY scripts/wheelhouse.py unbundle $G/pieces $G/wheels || exit 1
@@ -61,27 +75,54 @@ phases)  # what `start` runs in the background: A side by side, then B, then C
   L=tests/test_gpu_lane.py
   lane() {  # NAME ROOT TESTS...: one pytest process, its log $G/NAME.log, its exit in NAME.rc
     local name=$1 root=$2; shift 2
-    case " ${GPU_LANE_PARTS:-a1 a2 a3 a4 a5 b c} " in *" $name "*) ;; *) return 0 ;; esac
+    case " ${GPU_LANE_PARTS:-a1 a2 a3 a4 a5 a6 b c} " in *" $name "*) ;; *) return 0 ;; esac
     EAGLE3_GPU_LANE_ROOT=$root $PY -m pytest -m gpu -v -s -p no:cacheprovider "$@" > $G/$name.log 2>&1
+    echo $? > $G/$name.rc
+  }
+  recipe() {  # NAME STAGES: the GPU recipe on the target's own answers (issue 29), its log
+    # $G/NAME.log (appended: A runs it up to training, D its evaluation)
+    local name=$1
+    case " ${GPU_LANE_PARTS:-a1 a2 a3 a4 a5 a6 b c} " in *" $name "*) ;; *) return 0 ;; esac
+    $PY -m runner hardware=gpu1 regenerate=vllm regenerate.concurrency=512 data.num_samples=17528 \
+      train.epochs=4 eval.num_prompts=80 eval.compare_target=false hardware.vllm_memory_utilization=0.3 \
+      run.output_root=$G/root_r run.name=gpu-recipe-target-answers ${2:+"$2"} >> $G/$name.log 2>&1
     echo $? > $G/$name.rc
   }
   s=$(date +%s)
   export EAGLE3_GPU_LANE_OVERRIDES="hardware.vllm_memory_utilization=0.15 hardware.vllm_kv_cache_gib=6"
-  lane a1 $G/root $L::test_the_gpu_recipe_trains_and_keeps_every_epochs_draft \
-    $L::test_the_learning_curve_each_epochs_draft_served &
+  # a1 trains (B serves its draft), then a6 serves each epoch's draft (the learning curve)
+  { lane a1 $G/root $L::test_the_gpu_recipe_trains_and_keeps_every_epochs_draft
+    lane a6 $G/root $L::test_the_learning_curve_each_epochs_draft_served; } &
   lane a2 $G/root_kimi tests/test_kimi_miniature.py &
   lane a3 $G/root_a3 $L::test_online_training_shares_the_one_gpu_with_its_server &
   lane a5 $G/root_a5 $L::test_regeneration_through_vllm_on_the_gpu \
     $L::test_vllm_extraction_matches_the_in_process_backend_on_the_gpu &
   lane a4 $G/root_a4 $L::test_a_stopped_gpu_training_resumes_and_redoes_no_step \
     tests/test_train_resume.py &
+  recipe r "run.stages=[regenerate,prepare,extract,vocab,train]" &
   wait; echo "phase A: $(( $(date +%s) - s )) s" > $G/phases.txt
   unset EAGLE3_GPU_LANE_OVERRIDES
-  lane b $G/root $L::test_the_pipeline_serves_its_draft_warm_and_explains_every_divergence \
+  pin=()
+  if [ -n "${GPU_LANE_B_CPUS:-}" ]; then  # "CLIENT SERVERS": the client's cores, the servers'
+    set -- $GPU_LANE_B_CPUS; pin=(taskset -c "$1")
+    export EAGLE3_GPU_LANE_OVERRIDES="hardware.vllm.command=[taskset,-c,'$2',$PY,-m,vllm.entrypoints.openai.api_server]"
+  fi
+  case " ${GPU_LANE_PARTS:-a1 a2 a3 a4 a5 a6 b c} " in *" b "*)
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu,pstate \
+      --format=csv -lms 1000 > $G/b_gpu.csv 2>&1 &
+    gpu_sampler=$!
+    while :; do echo "$(date +%s.%N | cut -c1-14) $(head -1 /proc/stat) $(grep MHz /proc/cpuinfo | awk '{printf "%d ", $4}')"; sleep 1; done > $G/b_cpu.log &
+    cpu_sampler=$! ;;
+  esac
+  PY="${pin[*]} $PY" lane b $G/root $L::test_the_pipeline_serves_its_draft_warm_and_explains_every_divergence \
     $L::test_the_speed_ratio_agrees_with_an_independent_client_on_the_same_servers
+  kill ${gpu_sampler:-} ${cpu_sampler:-} 2>/dev/null
+  unset EAGLE3_GPU_LANE_OVERRIDES
   echo "phase B: $(( $(date +%s) - s )) s" >> $G/phases.txt
   lane c $G/root $L::test_the_published_cards_command_serves_the_draft
   echo "phase C: $(( $(date +%s) - s )) s" >> $G/phases.txt
+  recipe r ""  # its evaluation, the stages before it from A
+  echo "phase D: $(( $(date +%s) - s )) s" >> $G/phases.txt
   cat $G/*.rc 2>/dev/null | sort -u | tail -1 > $G/lane.rc ;;
 wait)
   # A machine that went back between calls comes back bare: say so at once rather than wait
@@ -105,12 +146,13 @@ fetch)
   grep -a "^BENCH" $G/bench.log > $OUT/bench.txt 2>/dev/null
   for f in $G/*.log $G/phases.txt; do [ -f "$f" ] && [ "$f" != $G/install.log ] && cp "$f" $OUT/; done
   cat $G/*.log | grep -a "GPU-FIGURES" > $OUT/figures.txt 2>/dev/null
-  cp $G/speed_*.json $OUT/ 2>/dev/null  # benchmarks/h200_speed_check.sh's repeats
+  cp $G/speed_*.json $G/b_gpu.csv $G/b_cpu.log $OUT/ 2>/dev/null
   tar -czf $OUT/logs.tar.gz -C $G --exclude='*.safetensors' --exclude='*.pt' --exclude='*.npy' --exclude='*.arrow' \
-    root/store/evaluate root/store/extract root_speed/store/evaluate 2>/dev/null
+    root/store/evaluate root/store/extract root_r/store/evaluate root_r/store/regenerate/*/metrics.json \
+    root_r/store/train/*/metrics.jsonl root_r/store/train/*/manifest.json 2>/dev/null
   ls -l $OUT ;;
 stop)  # (bracketed patterns: a pattern must not match the command line of the call that runs it)
   pkill -f "gpu_lane.sh [p]hases"; pkill -f "pytest -m [g]pu"; pkill -f "[b]enchmarks\."
   pkill -f "[v]llm.entrypoints"; sleep 3; pkill -9 -f "[v]llm.entrypoints"; echo stopped ;;
-*) sed -n 2,21p "$0"; exit 2 ;;
+*) sed -n 2,31p "$0"; exit 2 ;;
 esac
