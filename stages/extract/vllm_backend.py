@@ -12,7 +12,9 @@ transformers backend writes.
 
 Resume: files land in the stage's scratch folder, which survives a failed or interrupted run;
 the next run skips samples whose files are readable and redoes unreadable ones (speculators'
-check). Once every row has a valid file they are moved into the artifact.
+check). Each file is read, checked and summarised as soon as it lands, while the other requests
+are out (stages/extract/file_check.py). Once every row has a valid file they are moved into the
+artifact.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,8 @@ from runner.store import fmt_bytes
 from runner.target_facts import ModelFacts
 from runner.vllm_server import ExistingServer, VllmServer, engine_args
 from stages.extract import final_slot
-from stages.extract.samples import LayerStats, write_sample
+from stages.extract.file_check import FileCheck
+from stages.extract.samples import LayerStats
 
 log = logging.getLogger("runner")
 CPU_CONNECTOR_MODULE = "runner.integrations.vllm_cpu_connector"
@@ -81,12 +84,13 @@ def fetch(
     out_dir: Path,
     cfg: RunnerConfig,
     concurrency: int | None = None,
+    landed: Callable[[int], None] = lambda _row: None,
 ) -> Fetched:
     """The hidden states of `rows` ({row: token ids}) from the servers into out_dir, with
     extract.concurrency requests in flight on each (runner/integrations/
     vllm_hidden_states_client.py); the rows given up on, with the reason, and each server's
-    share. A server that stops answering is left out (its rows go to the others); when none is
-    left the stage ends."""
+    share; `landed(row)` as each row's file arrives. A server that stops answering is left out
+    (its rows go to the others); when none is left the stage ends."""
     from tqdm import tqdm
 
     pool = list(servers) if isinstance(servers, Sequence) else [servers]
@@ -114,7 +118,7 @@ def fetch(
             concurrency=concurrency or cfg.extract_concurrency(),
             timeout_s=e.request_timeout_s,
             retries=e.max_retries,
-            done=lambda _row: bar.update(1),
+            done=lambda row: (landed(row), bar.update(1)),
             dropped=dropped,
         )
     except ServerGone as exc:
@@ -145,15 +149,12 @@ def extract(
     ctx: StageContext, rows: Sequence[Any], out_dir: Path, stats: LayerStats
 ) -> dict[str, Any]:
     import torch
-    from safetensors.torch import load_file
     from speculators.data_generation.offline import (
-        check_hidden_states,
         find_corrupt_hidden_state_indices,
         get_existing_hidden_state_indices,
     )
 
     cfg, facts = ctx.cfg, ctx.facts
-    e = cfg.extract
     scratch: Path = ctx.scratch
     done_dir = scratch / "hidden_states"  # survives failures: the next run resumes from it
     # Where the connector writes; the same filesystem, so moves are renames.
@@ -183,6 +184,92 @@ def extract(
     def args_for(k: int) -> list[str]:
         return server_args(cfg, facts, staging / f"s{k}" if k else staging)
 
+    # Each file is read, checked and summarised as it lands (stages/extract/file_check.py).
+    fp8 = cfg.extract.storage == "fp8"
+    dtype = getattr(torch, cfg.hardware.dtype)
+    check = FileCheck(
+        rows, done_dir, stats, len(facts.extract_ids), dtype, out_dir if fp8 else None
+    )
+    try:
+        servers, fetched, selftest, seconds = _request_all(
+            cfg, facts, rows, done_dir, args_for, logs, check
+        )
+    except BaseException:
+        check.close()
+        raise
+    failed = fetched.failed
+    start_s = max(s.start_s or 0.0 for s in servers)
+    waited_s = check.finish()
+    missing = [i for i in range(len(rows)) if not (done_dir / f"hs_{i}.safetensors").exists()]
+    bad = find_corrupt_hidden_state_indices(done_dir, list(range(len(rows))))
+    if missing or bad:
+        raise StageError(
+            _failed_samples(
+                {**{i: failed.get(i, "no file") for i in missing}, **bad}, cfg, done_dir
+            )
+        )
+    if check.error:
+        raise StageError(check.error)
+    # Every file checked; publish (fp8: the quantized copies are in the artifact already).
+    for i in range(len(rows)):
+        src = done_dir / f"hs_{i}.safetensors"
+        if fp8:
+            src.unlink()
+        else:
+            shutil.move(src, out_dir / src.name)
+    if logs.is_dir():  # none with existing servers: their logs are on their machines
+        shutil.copytree(logs, ctx.out / "logs")
+    shares = _shares(fetched, seconds, servers)
+    if len(servers) > 1 or len(shares) > 1:
+        (ctx.out / "servers.json").write_text(json.dumps(shares, indent=1))
+        for k, sh in enumerate(shares):
+            log.info(
+                "[extract] server %d (%s): %d rows, %.0f tok/s%s",
+                k,
+                sh["url"],
+                sh["rows"],
+                sh["tokens_per_s"],
+                ", stopped answering and was left out" if sh["dropped"] else "",
+            )
+    # Throughput over the rows the main pass computed (not sample 0's probe, not resumed files).
+    fresh = sum(len(r) for i, r in enumerate(rows) if i > 0 and f"hs_{i}.safetensors" not in before)
+    return {
+        "tokens": float(sum(len(r) for r in rows)),
+        "seconds": seconds,
+        "tokens_per_s": fresh / seconds if seconds > 0 else float("nan"),
+        "server_start_s": start_s,
+        # Reading, checking and summarising the files: the part left after the client (not in
+        # tokens_per_s), and the whole of it, mostly while the requests were out.
+        "check_s": waited_s,
+        "check_busy_s": check.busy_s,
+        "concurrency": float(cfg.extract_concurrency()),
+        "servers": float(len(servers)),
+        "servers_dropped": float(sum(sh["dropped"] for sh in shares)),
+        # Each server's own share (the manifest's metrics are flat numbers; servers.json holds
+        # the same with the addresses).
+        **{f"server{k}_rows": float(sh["rows"]) for k, sh in enumerate(shares)},
+        **{f"server{k}_tokens_per_s": sh["tokens_per_s"] for k, sh in enumerate(shares)},
+        **selftest,
+        "resumed_samples": len(before),
+        "redone_unreadable": len(unreadable),
+    }
+
+
+def _request_all(
+    cfg: RunnerConfig,
+    facts: ModelFacts,
+    rows: Sequence[Any],
+    done_dir: Path,
+    args_for: Callable[[int], list[str]],
+    logs: Path,
+    check: FileCheck,
+) -> tuple[list[Any], Fetched, dict[str, Any], float]:
+    """The servers up (serve_pool), sample 0 requested first and its slots and final state
+    checked, then every row without a file; each file goes to `check` as it lands. Returns the
+    servers, what the client fetched, the self-test's figures and the requests' seconds."""
+    from safetensors.torch import load_file
+
+    e = cfg.extract
     with serve_pool(cfg, facts.path, args_for, logs, label="extract") as servers:
         server = servers[0]
         # One sample first: a server that writes the wrong slots fails here, not after every row.
@@ -193,6 +280,7 @@ def extract(
         if failed or not first.exists():
             server.check_alive()
             raise StageError(_failed_samples(failed or {0: "no file written"}, cfg, done_dir))
+        check.ready(0)
         states = load_file(str(first))["hidden_states"]
         got = states.shape
         want = (len(rows[0]), len(facts.extract_ids))
@@ -228,85 +316,12 @@ def extract(
             f" on each of {len(servers)} servers" if len(servers) > 1 else "",
         )
         t0 = time.time()
-        fetched = fetch(servers, todo, done_dir, cfg)
-        failed = fetched.failed
+        fetched = fetch(servers, todo, done_dir, cfg, landed=check.ready)
         seconds = time.time() - t0
         if not any(sh.dropped for sh in fetched.shares):
             for s in servers:
                 s.check_alive()
-        start_s = max(s.start_s or 0.0 for s in servers)
-    missing = [i for i in range(len(rows)) if not (done_dir / f"hs_{i}.safetensors").exists()]
-    bad = find_corrupt_hidden_state_indices(done_dir, list(range(len(rows))))
-    if missing or bad:
-        raise StageError(
-            _failed_samples(
-                {**{i: failed.get(i, "no file") for i in missing}, **bad}, cfg, done_dir
-            )
-        )
-    # Validate and summarise every file (token ids, length, finite values, slot count), then
-    # publish.
-    t_check = time.time()
-    for i, ids in enumerate(rows):
-        path = done_dir / f"hs_{i}.safetensors"
-        data = load_file(str(path))
-        try:
-            check_hidden_states(data, ids.tolist())
-        except ValueError as exc:
-            path.unlink()
-            raise StageError(
-                f"vLLM hidden states for sample {i} are invalid ({exc}); the file was removed, "
-                "a re-run redoes it"
-            ) from None
-        hs = data["hidden_states"]
-        if hs.shape[1] != len(facts.extract_ids) or hs.dtype != getattr(torch, cfg.hardware.dtype):
-            raise StageError(
-                f"vLLM hidden states for sample {i} have shape {tuple(hs.shape)} {hs.dtype}; "
-                "expected "
-                f"{len(facts.extract_ids)} slots in {cfg.hardware.dtype}"
-            )
-        stats.update_batch(hs[None], [hs.shape[0]])
-    fp8 = cfg.extract.storage == "fp8"
-    for i, ids in enumerate(rows):
-        src, dst = done_dir / f"hs_{i}.safetensors", out_dir / f"hs_{i}.safetensors"
-        if fp8:  # quantized after the statistics above saw the full-precision values
-            write_sample(dst, load_file(str(src))["hidden_states"], ids, "fp8")
-            src.unlink()
-        else:
-            shutil.move(src, dst)
-    if logs.is_dir():  # none with existing servers: their logs are on their machines
-        shutil.copytree(logs, ctx.out / "logs")
-    shares = _shares(fetched, seconds, servers)
-    if len(servers) > 1 or len(shares) > 1:
-        (ctx.out / "servers.json").write_text(json.dumps(shares, indent=1))
-        for k, sh in enumerate(shares):
-            log.info(
-                "[extract] server %d (%s): %d rows, %.0f tok/s%s",
-                k,
-                sh["url"],
-                sh["rows"],
-                sh["tokens_per_s"],
-                ", stopped answering and was left out" if sh["dropped"] else "",
-            )
-    # Throughput over the rows the main pass computed (not sample 0's probe, not resumed files).
-    fresh = sum(len(r) for i, r in enumerate(rows) if i > 0 and f"hs_{i}.safetensors" not in before)
-    return {
-        "tokens": float(sum(len(r) for r in rows)),
-        "seconds": seconds,
-        "tokens_per_s": fresh / seconds if seconds > 0 else float("nan"),
-        "server_start_s": start_s,
-        # Reading, checking and summarising every file after the client (not in tokens_per_s).
-        "check_s": time.time() - t_check,
-        "concurrency": float(cfg.extract_concurrency()),
-        "servers": float(len(servers)),
-        "servers_dropped": float(sum(sh["dropped"] for sh in shares)),
-        # Each server's own share (the manifest's metrics are flat numbers; servers.json holds
-        # the same with the addresses).
-        **{f"server{k}_rows": float(sh["rows"]) for k, sh in enumerate(shares)},
-        **{f"server{k}_tokens_per_s": sh["tokens_per_s"] for k, sh in enumerate(shares)},
-        **selftest,
-        "resumed_samples": len(before),
-        "redone_unreadable": len(unreadable),
-    }
+    return servers, fetched, selftest, seconds
 
 
 def _shares(
