@@ -71,7 +71,7 @@ fetch)
   train=$(dirname "$(ls /tmp/gpu/store/train/*/manifest.json | head -1)")
   target=$(ls -d /tmp/gpu/models/*/ | head -1)
   rm -rf /tmp/packed_e$2
-  python3 -m runner.transfer pack "$train/epochs/$(($2 - 1))" /tmp/packed_e$2 --target "$target" \
+  python3 -m runner.assets.transfer pack "$train/epochs/$(($2 - 1))" /tmp/packed_e$2 --target "$target" \
     || exit 1
   # The weights in pieces of at most 16 MiB (put together here with cat), the rest in one tar.
   split -b 16000000 /tmp/packed_e$2/model.safetensors "$OUT/e$2_weights.part_"

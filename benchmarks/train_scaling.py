@@ -96,10 +96,10 @@ def setup(args: argparse.Namespace) -> None:
     from tokenizers import Tokenizer, models
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-    from runner.pipeline import Pipeline
-    from runner.schema import typed
-    from runner.store import ArtifactStore
-    from runner.target_facts import resolve_target
+    from runner.assets.target_facts import resolve_target
+    from runner.core.schema import typed
+    from runner.core.store import ArtifactStore
+    from runner.engine.pipeline import Pipeline
     from stages import REGISTRY
     from stages.extract.samples import write_sample
     from tests.conftest import compose

@@ -97,12 +97,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import datasets
 
-    import runner.__main__  # noqa: F401  (registers the schema)
-    from runner.job import run_job
-    from runner.schema import typed
-    from runner.vllm_server import serve
+    from runner.__main__ import compose_root
+
+    compose_root()
+    from runner.core.schema import typed
+    from runner.engine.job import run_job
+    from runner.serving.hidden_states import server_args
+    from runner.serving.vllm_server import serve
     from stages import REGISTRY
-    from stages.extract.vllm_backend import fetch, server_args
+    from stages.extract.vllm_backend import fetch
     from tests.conftest import compose
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

@@ -1,6 +1,6 @@
 """Entry point: `python -m runner [group=option ...] [key=value ...]` (installed: `eagle3-runner`),
 or `-m` for a Hydra multirun; `python -m runner ls|publish|transfer|report|gc|--version` runs a
-companion tool (runner/cli.py).
+companion tool (runner/commands/cli.py).
 
 Composes conf/ (see conf/config.yaml), checks the config, materialises the target, plans the
 stages against the artifact store, runs or reuses each one inside one MLflow run, and prints a
@@ -30,20 +30,27 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from runner.errors import ConfigError, StageError
-from runner.interrupts import Interrupted, as_interrupted, held_back
-from runner.job import rerun_command, run_job
-from runner.schema import DataSource, register
-from runner.shared_servers import stop_all
-from runner.sweep import end_interrupted_sweep
+from runner.core.errors import ConfigError, StageError
+from runner.core.interrupts import Interrupted, as_interrupted, held_back
+from runner.core.schema import DataSource, register
+from runner.engine.job import rerun_command, run_job
+from runner.engine.stage import Stage
+from runner.serving.shared_servers import stop_all
+from runner.tracking.sweep import end_interrupted_sweep
 from stages import REGISTRY  # the composition root: the one module that names the stages
 
-# The schema Hydra composes on: RunnerConfig, plus the sections of stages with settings.
-register(REGISTRY)
-# The environment `python -m runner` runs in: a Slurm job's setup activates the same one
-# (conf/hydra/launcher/slurm.yaml).
-if not OmegaConf.has_resolver("runner_python_prefix"):
-    OmegaConf.register_new_resolver("runner_python_prefix", lambda: sys.prefix)
+
+def compose_root() -> tuple[Stage, ...]:
+    """The composition root's one act, called before Hydra composes anything: the registry's
+    schema (RunnerConfig plus the sections of stages with settings) becomes Hydra's base config,
+    and the resolver a Slurm job's setup uses is registered. Idempotent; returns the registry.
+    Nothing is registered by importing a module."""
+    register(REGISTRY)
+    # The environment `python -m runner` runs in: a Slurm job's setup activates the same one
+    # (conf/hydra/launcher/slurm.yaml).
+    if not OmegaConf.has_resolver("runner_python_prefix"):
+        OmegaConf.register_new_resolver("runner_python_prefix", lambda: sys.prefix)
+    return REGISTRY
 
 
 # Set once Hydra has composed a config and called `main`: an exit before that is Hydra refusing
@@ -61,8 +68,10 @@ CONFIG_PATH = str(_SOURCE_CONF) if (_SOURCE_CONF / "config.yaml").is_file() else
 def main(cfg: DictConfig) -> float | None:
     global _composed
     _composed = True
+    compose_root()  # again in a launcher's job process, which did not start at `console`
     # In a multirun a job's failure is a value (its MLflow run is FAILED, nothing is raised),
-    # so the sweep goes on and its parent still closes; the sweep then exits 1 (runner/sweep.py).
+    # so the sweep goes on and its parent still closes; the sweep then exits 1
+    # (runner/tracking/sweep.py).
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         result = run_job(cfg, stages=REGISTRY)
@@ -135,9 +144,10 @@ def entry() -> None:
 
 def console() -> None:
     """The `eagle3-runner` command: a subcommand (ls, publish, transfer, report, gc) or
-    `--version` (runner/cli.py), else the pipeline."""
-    from runner.cli import dispatch
+    `--version` (runner/commands/cli.py), else the pipeline."""
+    from runner.commands.cli import dispatch
 
+    compose_root()
     dispatch(entry)
 
 

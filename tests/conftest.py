@@ -22,11 +22,13 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import runner.__main__  # noqa: F401  (registers the schema as base_config)
-from runner import job
-from runner.stage import Stage
+from runner.__main__ import compose_root
+from runner.engine import job
+from runner.engine.stage import Stage
 from stages import REGISTRY
 
+# What `eagle3-runner` does first: the registry's schema becomes Hydra's base config.
+compose_root()
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
 
@@ -61,7 +63,7 @@ def serve_card(published: Path, log: Path, ready_timeout_s: float) -> dict[str, 
     import shlex
     import urllib.request
 
-    from runner.vllm_server import VllmServer, free_port
+    from runner.serving.vllm_server import VllmServer, free_port
 
     block = (published / "serve_local.sh").read_text().splitlines()[-1]
     assert f'"model": "{published.resolve()}"' in block and "--speculative-config" in block
@@ -94,7 +96,7 @@ def serve_card(published: Path, log: Path, ready_timeout_s: float) -> dict[str, 
 
 def runner_env() -> dict[str, str]:
     """The environment for a runner subprocess: no sweep parent or tracking URI of the caller."""
-    from runner.sweep import PARENT_ENV
+    from runner.tracking.sweep import PARENT_ENV
 
     return {k: v for k, v in os.environ.items() if k not in (PARENT_ENV, "MLFLOW_TRACKING_URI")}
 
@@ -196,7 +198,8 @@ def make_tiny_llama(out: Path, tokenizer, num_layers: int = 4) -> Path:
 
 @pytest.fixture
 def runner_log(caplog):
-    """caplog that sees the runner's own lines. runner/job.py prints them through the "runner"
+    """caplog that sees the runner's own lines. runner/engine/job.py prints them through the
+    "runner"
     logger's own handler and keeps them off the root logger, where caplog listens: a test that
     reads them from caplog alone passed only after another test had set that logger up otherwise
     (tests/test_mixing.py's worker test failed when run by itself)."""

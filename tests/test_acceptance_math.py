@@ -9,9 +9,9 @@ import math
 import mlflow
 import pytest
 
-from runner.job_tags import COLUMNS_TAG
-from runner.sweep import comparison_rows, render_table
-from runner.vllm_server import counters_delta
+from runner.serving.vllm_server import counters_delta
+from runner.tracking.job_tags import COLUMNS_TAG
+from runner.tracking.sweep import comparison_rows, render_table
 from stages.evaluate.measures import acceptance, teacher_forced
 from stages.evaluate.report import columns as evaluate_columns
 
@@ -164,7 +164,7 @@ H200_BATCH = {
 
 
 def test_a_speed_check_miss_inside_both_measurements_noise_is_told_apart_from_a_fault(tmp_path):
-    from runner.schema import typed
+    from runner.core.schema import typed
     from stages.evaluate.measures import paired_noise, speed_metrics
     from stages.evaluate.report import summary
     from stages.evaluate.speed_check import agreement
@@ -238,7 +238,7 @@ def test_timings_side_by_side_cancel_a_level_both_clients_see():
 
 
 def test_the_speed_check_flags_a_ratio_more_than_ten_percent_off_the_second_measurement(tmp_path):
-    from runner.schema import typed
+    from runner.core.schema import typed
     from stages.evaluate.report import summary
     from stages.evaluate.speed_check import agreement
     from tests.conftest import compose
@@ -274,7 +274,7 @@ def test_the_speed_check_flags_a_ratio_more_than_ten_percent_off_the_second_meas
 
 
 def test_two_servers_side_by_side_take_half_the_memory_and_alternate_their_passes():
-    from runner.schema import typed
+    from runner.core.schema import typed
     from stages.evaluate.serving import TOGETHER_WEIGHTS_SHARE, alternating, halved, together
     from tests.conftest import compose
 
@@ -306,7 +306,7 @@ def test_the_sweep_figure_does_not_zoom_a_small_difference_into_a_cliff():
     """Acceptance 1.11 against 1.12 on a y axis from zero, not from 1.11."""
     import matplotlib.pyplot as plt
 
-    from runner.sweep import comparison_figure
+    from runner.tracking.sweep import comparison_figure
 
     rows = [
         {"preset": p, "acceptance_length": v, "vocab": "4096"}

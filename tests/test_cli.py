@@ -1,4 +1,5 @@
-"""The `eagle3-runner` command family (runner/cli.py, runner/ls.py): subcommands, `--version`,
+"""The `eagle3-runner` command family (runner/commands/cli.py, runner/commands/ls.py): subcommands,
+`--version`,
 discovery of groups, sweeps and keys, and bash completion, called in process. The console
 scripts themselves (editable install and wheel) are run in tests/test_packaging.py."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner import cli, ls
+from runner.commands import cli, ls
 
 
 def _dispatch(capsys, *argv: str) -> tuple[int, str, str]:
@@ -83,7 +84,7 @@ def test_the_companions_share_one_flag_vocabulary():
     from contextlib import redirect_stdout
     from io import StringIO
 
-    from runner import gc, publish, report
+    from runner.commands import gc, publish, report
 
     flags = {}
     for name, mod in (("gc", gc), ("publish", publish), ("report", report)):

@@ -7,10 +7,10 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from runner.checks import check_aux_layers, check_config
-from runner.errors import ConfigError
-from runner.layer_ids import default_aux_layers
-from runner.schema import RunnerConfig, typed
+from runner.core.errors import ConfigError
+from runner.core.layer_ids import default_aux_layers
+from runner.core.schema import RunnerConfig, typed
+from runner.engine.checks import check_aux_layers, check_config
 from stages import REGISTRY
 from tests.conftest import CONF, compose
 

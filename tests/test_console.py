@@ -1,4 +1,4 @@
-"""What a user's console shows (runner/console.py, conf/hydra/job_logging/runner.yaml): the
+"""What a user's console shows (runner/engine/console.py, conf/hydra/job_logging/runner.yaml): the
 runner's own lines in one format, the plan and the summary; the libraries' lines in the job's
 log file, their warnings counted in the summary. Run as a user runs it, through the CLI."""
 

@@ -1,4 +1,5 @@
-"""The plan's cost lines (runner/costs.py): time and GPU-hours per stage from measured rates, what
+"""The plan's cost lines (runner/engine/costs.py): time and GPU-hours per stage from measured
+rates, what
 more boxes change, and the estimates held against the stage times measured on one H200."""
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def test_the_estimates_come_within_a_quarter_of_the_h200_runs(tmp_path):
 def test_regeneration_is_costed_from_this_stores_own_run_or_said_to_be_left_out(tmp_path):
     """No shipped rate exists for regenerating on a GPU: the plan says the total leaves it out
     until a regeneration has finished on this hardware, then costs it from that run."""
-    from runner.store import ArtifactStore
+    from runner.core.store import ArtifactStore
 
     over = [
         "hardware=gpu1",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runner.schema import typed
+from runner.core.schema import typed
 from tests.conftest import compose, run_job
 
 pytestmark = pytest.mark.e2e

@@ -4,7 +4,7 @@ run in the vllm lane (tests/test_vllm_backend.py)."""
 
 from __future__ import annotations
 
-from runner.endpoint import DRAFT, EXTRACTION, EndpointInfo, problems
+from runner.serving.endpoint import DRAFT, EXTRACTION, EndpointInfo, problems
 
 TOKENS = [504, 2365, 6354, 28]
 
@@ -99,7 +99,7 @@ import pytest  # noqa: E402
     ],
 )
 def test_a_server_answering_in_an_unexpected_shape_is_described_not_a_traceback(answer, words):
-    from runner.endpoint import inspect
+    from runner.serving.endpoint import inspect
 
     server = _serve(answer)
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import ConfigError, StageError
+from runner.core.errors import ConfigError, StageError
 from tests.conftest import (
     CONVERSATIONS,
     REPO,
@@ -325,7 +325,7 @@ def test_what_a_runner_started_dies_at_once_when_it_is_killed(tmp_path):
     script = textwrap.dedent(f"""
         import subprocess, sys, time
         from pathlib import Path
-        from runner.process import ManagedProcess
+        from runner.processes.process import ManagedProcess
         child = [sys.executable, "-c",
                  "import subprocess, sys, time; "
                  "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "

@@ -180,7 +180,7 @@ def test_the_speed_ratio_agrees_with_an_independent_client_on_the_same_servers(p
 
 
 def _cfg():
-    from runner.schema import typed
+    from runner.core.schema import typed
 
     return typed(compose([*GPU, "run.output_root=unused"]))
 
@@ -238,7 +238,7 @@ def test_regeneration_through_vllm_on_the_gpu(root):
 def test_the_published_cards_command_serves_the_draft(pipeline, root, tmp_path):
     """The card's command for the evaluating machine, pasted as printed (only the port
     changed), serves the published folder on the GPU with its draft."""
-    from runner.publish import main as publish
+    from runner.commands.publish import main as publish
 
     out = tmp_path / "published"
     assert publish([str(out), "--output-root", str(root), "--run", pipeline.run_id]) == 0

@@ -10,12 +10,12 @@ import pytest
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from runner.errors import StageError
-from runner.heldout import consumed, heldout_prompts
-from runner.prompts import messages, shown, user_turns
-from runner.schema import typed
+from runner.assets.chat import render
+from runner.assets.prompts import messages, shown, user_turns
+from runner.core.errors import StageError
+from runner.core.schema import typed
+from stages.evaluate.heldout import consumed, heldout_prompts
 from stages.evaluate.prompt_sets import fits_in
-from stages.prepare import render
 from tests.conftest import compose, run_job, tiny_overrides
 
 # SmolLM2's own template, less than it allows: one user turn only, as some targets' templates.

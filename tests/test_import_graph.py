@@ -1,9 +1,10 @@
-"""The import drawing of runner/ and stages/: no circles, and the engine never imports a stage.
+"""The import drawing of runner/ and stages/: no circles, each room of runner/ imports only the
+rooms below it, the engine never imports or names a stage, and no stage imports another.
 
 The engine (runner/) runs whatever stages it is handed; the one place that knows both is the
 composition root, runner/__main__.py, which builds the registry (stages/__init__.py) and passes
-it in. Read from the source with ast, so a lazy import inside a function counts as much as one
-at the top (it is an arrow all the same, and cycles hidden in functions are still cycles).
+it in. A helper two stages share lives in a room of runner/ below both. Read from the source with
+ast, so a lazy import inside a function counts as much as one at the top (it is an arrow all the same, and cycles hidden in functions are still cycles).
 Run `python -m tests.test_import_graph` to print the drawing's circles.
 """
 
@@ -34,7 +35,7 @@ def modules() -> dict[str, Path]:
 
 
 def _resolve(name: str, known: dict[str, Path]) -> str | None:
-    """The project module an import names (`runner.store.fmt_bytes` -> `runner.store`)."""
+    """The project module an import names (`runner.core.store.fmt_bytes` -> `runner.core.store`)."""
     while name:
         if name in known:
             return name
@@ -56,7 +57,8 @@ def imports_of(mod: str, path: Path, known: dict[str, Path]) -> set[str]:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            # `from runner import endpoint` is an arrow to runner.endpoint; `from stages.x import
+            # `from runner import endpoint` is an arrow to runner.serving.endpoint; `from stages.x
+            # import
             # f` to stages.x; `from runner import x` (no module x) to the package itself.
             names = [
                 f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
@@ -124,6 +126,97 @@ def test_the_engine_imports_no_stage():
         if t.startswith("stages")
     ]
     assert not arrows, f"runner/ imports stages/: {arrows}"
+
+
+# Each room of runner/ and the rooms it may import (its own always): the rules its docstring
+# states. A room not listed here fails the test until its rule is written down.
+ROOMS = {
+    "runner.core": set(),
+    "runner.processes": {"runner.core"},
+    "runner.assets": {"runner.core", "runner.integrations"},
+    "runner.integrations": {"runner.core", "runner.assets"},
+    "runner.serving": {"runner.core", "runner.assets", "runner.processes", "runner.integrations"},
+    "runner.tracking": {"runner.core", "runner.serving", "runner.integrations"},
+    "runner.engine": {
+        "runner.core",
+        "runner.assets",
+        "runner.processes",
+        "runner.serving",
+        "runner.tracking",
+        "runner.integrations",
+    },
+    "runner.commands": {
+        "runner.__main__",
+        "runner.core",
+        "runner.assets",
+        "runner.processes",
+        "runner.serving",
+        "runner.tracking",
+        "runner.integrations",
+        "runner.engine",
+    },
+}
+
+
+def room(mod: str) -> str:
+    return ".".join(mod.split(".")[:2])
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    g = graph()
+    loose = sorted(m for m in g if m.startswith("runner.") and room(m) not in ROOMS)
+    assert loose == ["runner.__main__"], f"modules outside a room of runner/: {loose}"
+    arrows = [
+        (m, t)
+        for m, targets in g.items()
+        if room(m) in ROOMS
+        for t in targets
+        if room(t) != room(m) and room(t) not in ROOMS[room(m)] and t != "runner"
+    ]
+    assert not arrows, f"imports that break a room's rule: {arrows}"
+
+
+def test_no_stage_imports_another_stage():
+    arrows = [
+        (m, t)
+        for m, targets in graph().items()
+        if m.startswith("stages.")
+        for t in targets
+        if t.startswith("stages") and room(t) != room(m)
+    ]
+    assert not arrows, f"stages importing other stages: {arrows}"
+
+
+def _stage_names() -> set[str]:
+    return {p.name for p in (REPO / "stages").iterdir() if (p / "__init__.py").is_file()}
+
+
+def test_the_engine_names_no_stage():
+    """No string in the engine's code (docstrings aside) is a stage's name: what a stage does
+    reaches the engine through its declaration (runner/engine/stage.py), never by name."""
+    names = _stage_names()
+    found = []
+    for mod, path in modules().items():
+        if room(mod) not in {"runner.engine", "runner.tracking", "runner.serving"}:
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value in names
+                and id(node) not in docstrings
+            ):
+                found.append(f"{mod}:{node.lineno} {node.value!r}")
+    assert not found, f"the engine names stages: {found}"
 
 
 def test_the_composition_root_builds_the_registry():

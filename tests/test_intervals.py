@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from runner.intervals import overlap, ratio_interval, replicates
+from runner.core.intervals import overlap, ratio_interval, replicates
 
 
 def test_the_interval_holds_the_figure_and_narrows_with_more_prompts():
@@ -45,7 +45,7 @@ def test_a_responses_own_counts_are_read_as_vllm_writes_them():
     from openai.types.chat import ChatCompletion
     from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 
-    from runner.vllm_server import request_counters
+    from runner.serving.vllm_server import request_counters
 
     spec = RequestSpecDecodeMetrics.new(3)
     for accepted in (0, 3, 1, 2, 3):  # five verify steps of 3 drafted tokens
@@ -77,8 +77,8 @@ def test_a_sweep_marks_jobs_within_the_best_ones_noise_and_averages_seeds():
     """Rows as the sweep reads them from MLflow: two recipes (window, full attention) over three
     seeds, each job with its interval over prompts. The best job is named, a job whose interval
     overlaps it is within its noise, and each recipe gets its mean over seeds with an interval."""
-    from runner.recipes import recipes
-    from runner.sweep import mark_noise, sweep_description
+    from runner.tracking.recipes import recipes
+    from runner.tracking.sweep import mark_noise, sweep_description
 
     def row(job, full, seed, al, half):
         return {

@@ -1,4 +1,5 @@
-"""Kimi-K2.5 in miniature (model=kimi_k25_mini, runner/miniatures.py): the real wrapper class,
+"""Kimi-K2.5 in miniature (model=kimi_k25_mini, runner/assets/miniatures.py): the real wrapper
+class,
 MLA and mixture-of-experts, the real checkpoint key names and a tokenizer that needs remote
 code, at toy size with random weights, through every part of the runner.
 
@@ -20,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from runner.errors import ConfigError, StageError
-from runner.miniatures import KIMI_SPECIAL, ensure
+from runner.assets.miniatures import KIMI_SPECIAL, ensure
+from runner.core.errors import ConfigError, StageError
 from tests.conftest import REPO, compose, gpu_lane_overrides, run_job
 
 MINI = ["model=kimi_k25_mini", "data.num_samples=40", "train.epochs=1"]

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from runner.errors import ConfigError
-from runner.mixing import apportion
+from runner.assets.mixing import apportion
+from runner.core.errors import ConfigError
 from tests.conftest import compose, run_job, tiny_overrides
 
 

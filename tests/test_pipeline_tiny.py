@@ -221,7 +221,7 @@ def test_every_epochs_draft_is_kept_when_asked(first_run, tiny_model_dir, chats_
 
 
 def test_a_failed_stage_publishes_nothing(first_run, tiny_model_dir, chats_jsonl):
-    from runner.errors import StageError
+    from runner.core.errors import StageError
 
     _, _, root = first_run
     # Passes the plan (a valid flag), fails inside the trainer: the data is not there.
@@ -237,7 +237,7 @@ def test_a_failed_stage_publishes_nothing(first_run, tiny_model_dir, chats_jsonl
 def test_a_stage_outside_run_stages_must_be_in_the_store(
     first_run, tiny_model_dir, chats_jsonl, tmp_path
 ):
-    from runner.errors import ConfigError
+    from runner.core.errors import ConfigError
 
     cfg = compose(tiny(tiny_model_dir, chats_jsonl, tmp_path, "run.stages=[vocab]"))
     with pytest.raises(ConfigError) as info:  # found in preflight, before anything loads
@@ -248,7 +248,7 @@ def test_a_stage_outside_run_stages_must_be_in_the_store(
 def test_a_cached_mapping_made_for_another_tokenizer_is_refused(
     first_run, tiny_model_dir, chats_jsonl
 ):
-    from runner.errors import StageError
+    from runner.core.errors import StageError
 
     _, first, root = first_run
     manifest_path = first.results["vocab"].path / "manifest.json"
@@ -271,8 +271,8 @@ def test_extraction_self_test_passed_and_catches_a_wrong_final_slot(
     import datasets
 
     import stages.extract.transformers_backend as tb
-    from runner.schema import typed
-    from runner.target_facts import resolve_target
+    from runner.assets.target_facts import resolve_target
+    from runner.core.schema import typed
 
     cfg, result, _ = first_run
     m = json.loads((result.results["extract"].path / "manifest.json").read_text())["metrics"]
@@ -325,12 +325,12 @@ def test_fp8_storage_halves_the_files_and_trains_with_no_conversion(
 
 def test_the_plans_costs_take_this_stores_own_rates(first_run, tiny_model_dir, chats_jsonl):
     """A finished stage in the store gives the plan's cost estimate its rate, but only on the
-    same hardware (name and GPU kind, from the manifest; runner/costs.py)."""
+    same hardware (name and GPU kind, from the manifest; runner/engine/costs.py)."""
     from types import SimpleNamespace
 
-    from runner.costs import measured
-    from runner.schema import typed
-    from runner.store import ArtifactStore
+    from runner.core.schema import typed
+    from runner.core.store import ArtifactStore
+    from runner.engine.costs import measured
 
     cfg, _result, root = first_run
     store = ArtifactStore(root)
@@ -357,7 +357,7 @@ def test_the_export_check_passes_the_published_draft_and_catches_broken_ones(fir
 
     from safetensors.torch import save_file
 
-    from runner.draft_check import Expected, check_draft
+    from stages.train.draft_check import Expected, check_draft
 
     _, first, _ = first_run
     art = first.results["train"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 from tests.conftest import compose, run_job
 
 KIMI = str(Path(__file__).parent / "data" / "kimi_k25")
@@ -127,7 +127,7 @@ def test_trust_remote_code_only_when_needed(tmp_path, tiny_model_dir):
 
 
 def test_an_old_vllm_is_refused_for_kimi(tmp_path, monkeypatch):
-    import runner.preflight as pf
+    import runner.engine.preflight as pf
 
     monkeypatch.setattr(pf, "installed", lambda *names: ("vllm", "0.17.1"))
     with pytest.raises(ConfigError) as info:
@@ -138,7 +138,7 @@ def test_an_old_vllm_is_refused_for_kimi(tmp_path, monkeypatch):
 def test_a_vllm_the_runner_was_not_checked_with_is_refused_unless_allowed(
     tmp_path, monkeypatch, capsys
 ):
-    import runner.preflight as pf
+    import runner.engine.preflight as pf
 
     # vLLM 0.33 (what an unpinned `pip install vllm` resolved to, with torch 2.14) is newer than
     # Kimi needs, but no version the integrations were run with.
@@ -214,7 +214,7 @@ def test_a_target_class_without_eagle3_support_in_vllm_is_refused(tmp_path, smol
 def test_a_vllm_without_hidden_state_extraction_is_refused_for_the_vllm_backend(
     tmp_path, monkeypatch
 ):
-    import runner.preflight as pf
+    import runner.engine.preflight as pf
 
     # What the probe answers for a vLLM that predates the extract_hidden_states method.
     monkeypatch.setattr(
@@ -265,8 +265,8 @@ def test_config_against_the_targets_facts(tmp_path, tiny_model_dir, overrides, k
 
 
 def test_weights_estimate_counts_int4_experts_and_bf16_rest():
-    from runner.target_facts import weight_bytes
-    from runner.target_layout import TargetLayout
+    from runner.assets.target_facts import weight_bytes
+    from runner.assets.target_layout import TargetLayout
 
     layout = TargetLayout(
         architecture="X",
@@ -313,7 +313,7 @@ def test_weights_estimate_counts_int4_experts_and_bf16_rest():
 
 
 def test_the_filesystem_of_the_output_root_is_read_from_the_mounts(tmp_path):
-    from runner.preflight import LOCAL_FILESYSTEMS, filesystem_of
+    from runner.engine.preflight import LOCAL_FILESYSTEMS, filesystem_of
 
     kind = filesystem_of(tmp_path / "not" / "yet" / "there")
     assert kind != "unknown" and kind == filesystem_of(tmp_path)
@@ -383,8 +383,8 @@ def test_online_on_one_gpu_is_refused_unless_the_gpu_is_shared(tmp_path):
     assert "vLLM serves on GPU(s) 0 (TP 1) with 30% of their memory (extract.share_gpu)" in text
     assert not result.plan.errors
 
-    from runner.online import serving_gpus, sharing_args
-    from runner.schema import typed
+    from runner.core.schema import typed
+    from stages.train.online import serving_gpus, sharing_args
 
     cfg = typed(compose([*one, "extract.share_gpu=0.3"]))
     assert cfg.train_ranks() == 1 and serving_gpus(cfg) == ["0"]
@@ -399,8 +399,8 @@ def test_the_extraction_servers_step_size_is_a_setting_that_holds_a_row(tmp_path
     """extract.batch_tokens reaches the server as --max-num-batched-tokens, never below one row
     (chunked prefill is off, so a longer row could not be scheduled); unset, vLLM decides on a
     CPU."""
-    from runner.schema import typed
-    from stages.extract.vllm_backend import server_args
+    from runner.core.schema import typed
+    from runner.serving.hidden_states import server_args
 
     def cfg(*over):
         return typed(compose(["extract=vllm", f"run.output_root={tmp_path}", *over]))
@@ -425,8 +425,8 @@ def test_data_parallel_extraction_gives_each_server_its_own_gpus(tmp_path, monke
     """hardware.vllm.data_parallel: N servers of tensor_parallel_size GPUs each, in slices of the
     visible GPUs (a Slurm allocation's when it sets CUDA_VISIBLE_DEVICES); more than the box has
     is refused naming the key."""
-    from runner.schema import typed
-    from runner.server_pool import gpu_slices, server_count
+    from runner.core.schema import typed
+    from runner.serving.server_pool import gpu_slices, server_count
 
     # INT4 Kimi fits TP 4 only with a weights figure that says so (as in the online test).
     four = ["extract=vllm", "hardware.tensor_parallel_size=4", "model.weights_gib=300"]
@@ -444,7 +444,7 @@ def test_data_parallel_extraction_gives_each_server_its_own_gpus(tmp_path, monke
 def test_extraction_endpoints_are_each_asked_and_one_that_is_down_is_only_a_warning(tmp_path):
     """hardware.vllm.endpoints: each server is asked in the plan; one that does not answer is a
     warning (the others would take its rows), none answering is an error."""
-    from runner.vllm_server import free_port
+    from runner.serving.vllm_server import free_port
 
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     over = ["extract=vllm", f"hardware.vllm.endpoints=[{dead[0]},{dead[1]}]"]

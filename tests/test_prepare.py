@@ -6,7 +6,11 @@ import json
 
 import pytest
 
-from runner.conversations import iter_truncated_json_array, load_conversations, normalise_turns
+from runner.assets.conversations import (
+    iter_truncated_json_array,
+    load_conversations,
+    normalise_turns,
+)
 from stages.prepare import tokenize_conversation
 from tests.conftest import CONVERSATIONS, compose
 
@@ -92,7 +96,7 @@ def test_packaged_sharegpt_is_recovered():
 
 
 def test_missing_file_and_wrong_column_name_the_key(tmp_path, chats_jsonl):
-    from runner.errors import ConfigError
+    from runner.core.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
         load_conversations(compose(["data=local_file", f"data.source={tmp_path}/nope.jsonl"]).data)

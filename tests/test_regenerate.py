@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from runner.errors import StageError
-from runner.interrupts import Interrupted
+from runner.core.errors import StageError
+from runner.core.interrupts import Interrupted
 from tests.conftest import compose, run_job, tiny_overrides
 
 # Sampled: the random tiny target's greedy answer is one whitespace token repeated, which the

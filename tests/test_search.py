@@ -13,7 +13,7 @@ import mlflow
 import pytest
 import yaml
 
-from runner.sweep import PARENT_ENV
+from runner.tracking.sweep import PARENT_ENV
 from tests.conftest import REPO
 from tests.test_e2e_default import REDUCED
 

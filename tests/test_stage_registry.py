@@ -15,10 +15,10 @@ from typing import Any
 import mlflow
 import pytest
 
-from runner.errors import ConfigError
-from runner.schema import EXTRACT_BACKENDS, register
-from runner.stage import Stage, StageContext, check_registry
-from runner.sweep import PARENT_ENV, comparison_rows
+from runner.core.errors import ConfigError
+from runner.core.schema import EXTRACT_BACKENDS, register
+from runner.engine.stage import Stage, StageContext, check_registry
+from runner.tracking.sweep import PARENT_ENV, comparison_rows
 from stages import REGISTRY
 from tests.conftest import REPO, compose, run_job, tiny_overrides
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.store import MANIFEST, ArtifactStore, compute_key
+from runner.core.store import MANIFEST, ArtifactStore, compute_key
 from tests.conftest import REPO
 
 
@@ -87,7 +87,7 @@ def _published(store: ArtifactStore, key: str = "k9") -> Path:
 
 
 def test_damage_names_the_file_a_truncation_or_an_edit_broke(tmp_path):
-    from runner.store import damage
+    from runner.core.store import damage
 
     store = ArtifactStore(tmp_path)
     path = _published(store)
@@ -117,8 +117,8 @@ def test_a_copied_roots_files_are_hashed_once_then_by_their_new_stamp(tmp_path, 
     later edit (size and mtime kept) is still caught."""
     import shutil
 
-    import runner.store as store_module
-    from runner.store import damage
+    import runner.core.store as store_module
+    from runner.core.store import damage
 
     _published(ArtifactStore(tmp_path / "a"))
     shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
@@ -141,7 +141,7 @@ def test_a_copied_roots_files_are_hashed_once_then_by_their_new_stamp(tmp_path, 
 def test_only_temporary_folders_of_dead_processes_are_removed(tmp_path):
     import subprocess
 
-    from runner.store import _HOST
+    from runner.core.store import _HOST
 
     store = ArtifactStore(tmp_path)
     dead = subprocess.Popen(["true"])
@@ -161,7 +161,7 @@ def test_only_temporary_folders_of_dead_processes_are_removed(tmp_path):
 
 
 def test_gc_lists_by_default_and_removes_on_request(tmp_path, capsys):
-    from runner.gc import main as gc
+    from runner.commands.gc import main as gc
 
     store = ArtifactStore(tmp_path)
     _published(store, "k1")
@@ -187,8 +187,8 @@ def test_a_signalled_companion_command_leaves_nothing_and_exits_128_plus_signal(
     import signal
     import time
 
-    from runner.interrupts import companion
-    from runner.store import new_folder
+    from runner.core.interrupts import companion
+    from runner.core.store import new_folder
 
     out = tmp_path / "packed"
 
@@ -211,7 +211,8 @@ def test_a_signalled_companion_command_leaves_nothing_and_exits_128_plus_signal(
 
 def test_gc_finds_what_a_killed_publish_or_transfer_was_writing(tmp_path, monkeypatch, capsys):
     """kill -9 while `new_folder` writes (publish, transfer): no handler runs, so the half-written
-    folder stays beside the output, wherever that is; `runner.gc` lists it from the ledger of
+    folder stays beside the output, wherever that is; `runner.commands.gc` lists it from the ledger
+    of
     writes and removes it, and the ledger entry, with --delete."""
     import signal
     import subprocess
@@ -219,7 +220,7 @@ def test_gc_finds_what_a_killed_publish_or_transfer_was_writing(tmp_path, monkey
     import textwrap
     import time
 
-    from runner import gc
+    from runner.commands import gc
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "elsewhere" / "packed"
@@ -227,7 +228,7 @@ def test_gc_finds_what_a_killed_publish_or_transfer_was_writing(tmp_path, monkey
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from runner.store import new_folder
+        from runner.core.store import new_folder
         with new_folder(Path({str(out)!r})) as tmp:
             (tmp / "half.bin").write_bytes(b"x" * 1000)
             Path({str(ready)!r}).write_text("1")

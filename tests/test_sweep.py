@@ -1,6 +1,6 @@
 """A 3 x 3 sweep (capture layers x draft vocab size) through `python -m runner -m`, on a tiny
 12-layer model: one extraction shared by all nine jobs, one MLflow parent with nine children,
-and the comparison table in the parent and from `python -m runner.report`."""
+and the comparison table in the parent and from `python -m runner.commands.report`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.sweep import PARENT_ENV
+from runner.tracking.sweep import PARENT_ENV
 from tests.conftest import REPO, tiny_overrides
 
 
@@ -48,7 +48,7 @@ def test_one_extraction_of_the_union_serves_all_jobs(sweep):
 def test_one_parent_with_nine_children_and_the_table(sweep):
     import mlflow
 
-    from runner.sweep import comparison_rows
+    from runner.tracking.sweep import comparison_rows
 
     root, stdout = sweep
     client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
@@ -100,7 +100,7 @@ def test_report_prints_the_table_from_mlflow(sweep):
     root, _ = sweep
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     out = subprocess.run(
-        [sys.executable, "-m", "runner.report", "--output-root", str(root)],
+        [sys.executable, "-m", "runner.commands.report", "--output-root", str(root)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -129,7 +129,7 @@ def test_publishing_a_sweep_parent_without_an_evaluation_lists_its_children(swee
         [
             sys.executable,
             "-m",
-            "runner.publish",
+            "runner.commands.publish",
             str(tmp_path / "out"),
             "--run",
             parent.info.run_id,
@@ -156,7 +156,7 @@ def test_a_failed_job_is_a_failed_child_and_the_parent_still_closes(
 ):
     import mlflow
 
-    from runner.sweep import comparison_rows
+    from runner.tracking.sweep import comparison_rows
 
     # 60000 > 49152: that job fails in its checks, the other trains.
     proc = run_sweep(tiny12_model_dir, chats_jsonl, tmp_path, "vocab.draft_vocab_size=512,60000")
@@ -198,7 +198,7 @@ def test_a_sweep_through_submitit_runs_each_job_as_its_own_process(
     locks, and the parent run holds both."""
     import mlflow
 
-    from runner.sweep import comparison_rows
+    from runner.tracking.sweep import comparison_rows
 
     proc = run_sweep(
         tiny12_model_dir,
@@ -229,7 +229,7 @@ def test_the_submitit_launcher_runs_a_two_node_job(tiny12_model_dir, chats_jsonl
     """One job on two "nodes": submitit's local executor starts two tasks (as Slurm starts one a
     node with hydra/launcher=slurm, whose `nodes` is hardware.num_nodes); the task of rank 0 runs
     the pipeline, the other joins its training, each with one gloo rank."""
-    from runner.vllm_server import free_port
+    from runner.serving.vllm_server import free_port
 
     proc = run_sweep(
         tiny12_model_dir,
@@ -256,7 +256,7 @@ def test_a_config_group_sweep_is_compared_by_its_options():
     (and the sweep figure's x axis) shows the option it ran, not an empty value."""
     from types import SimpleNamespace
 
-    from runner.sweep import run_row
+    from runner.tracking.sweep import run_row
 
     def child(backend: str) -> SimpleNamespace:
         data = SimpleNamespace(params={"regenerate.backend": backend}, metrics={}, tags={})
@@ -268,7 +268,7 @@ def test_a_config_group_sweep_is_compared_by_its_options():
 
 def test_a_command_line_sweeps_parent_is_named_by_what_it_sweeps():
     """Not by every override: the shared ones (local paths among them) are in its tags."""
-    from runner.sweep import _swept_title
+    from runner.tracking.sweep import _swept_title
 
     line = [
         "model=hf",

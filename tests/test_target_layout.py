@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers as T
 
-from runner.layer_ids import capture_ids, from_output_of, hook_point, to_output_of
-from runner.target_layout import get_module, layout_from_config, layout_from_model
+from runner.assets.target_layout import get_module, layout_from_config, layout_from_model
+from runner.core.layer_ids import capture_ids, from_output_of, hook_point, to_output_of
 
 KIMI_CONFIG = Path(__file__).parent / "data" / "kimi_k25" / "config.json"
 

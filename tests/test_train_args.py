@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from runner.assets.target_facts import ModelFacts
+from runner.core.schema import typed
 from runner.integrations.speculators import Refused, command_line, resolve_train_config
 from runner.integrations.speculators_settings import setting_key, speculators_settings
-from runner.schema import typed
-from runner.target_facts import ModelFacts
 from tests.conftest import compose
 
 FACTS = ModelFacts(

@@ -163,7 +163,7 @@ def test_fused_loss_compiles_on_torch_2_11():
 
 
 def _descendants(pid: int) -> list[int]:
-    from runner.process import children
+    from runner.processes.process import children
 
     out, todo = [], [pid]
     while todo:
@@ -193,7 +193,7 @@ def test_two_nodes_train_as_one_job_and_resume_after_one_node_is_killed(
     import os
     import time
 
-    from runner.vllm_server import free_port
+    from runner.serving.vllm_server import free_port
 
     common = [
         "hardware.num_nodes=2",

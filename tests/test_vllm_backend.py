@@ -128,7 +128,7 @@ def test_the_draft_trained_on_vllm_states_accepts_above_a_random_one(runs):
 def test_a_published_draft_serves_with_the_command_in_its_card(runs, root, tmp_path):
     """The card's command for the evaluating machine, pasted as printed (only the port changed),
     serves the published folder: vLLM loads it as an EAGLE-3 speculator and counts drafts."""
-    from runner.publish import main as publish
+    from runner.commands.publish import main as publish
 
     out = tmp_path / "published"
     assert publish([str(out), "--output-root", str(root), "--run", runs["vllm"].run_id]) == 0
@@ -139,7 +139,7 @@ def test_a_draft_packed_here_and_unpacked_elsewhere_evaluates_alike(runs, root, 
     """Trained on one box, evaluated on another: the packed draft (without the target's
     embeddings) is unpacked against this box's target and evaluated alone (eval.draft), with the
     same acceptance as the run that trained it."""
-    from runner.transfer import main as transfer
+    from runner.assets.transfer import main as transfer
 
     trained = runs["vllm"]
     target = trained.target.facts.path
@@ -379,7 +379,7 @@ def existing_server(online_run, root):
     """A vLLM server started by the test with the flags the online record says it needs, with
     its engine config readable (VLLM_SERVER_DEV_MODE=1), as a user would start it on a serving
     box."""
-    from runner.vllm_server import VllmServer
+    from runner.serving.vllm_server import VllmServer
 
     served = json.loads((online_run[0].results["extract"].path / "served.json").read_text())
     staging = root / "endpoint_states"
@@ -399,7 +399,7 @@ def existing_server(online_run, root):
 
 
 def test_an_existing_server_is_checked_before_any_work_and_then_used(existing_server, root):
-    from runner.errors import ConfigError
+    from runner.core.errors import ConfigError
 
     base = [*REDUCED, f"run.output_root={root}", f"hardware.vllm.endpoint={existing_server}"]
     up_to_train = ["extract=online", "run.stages=[prepare,extract,vocab,train]"]
@@ -439,7 +439,7 @@ def test_an_existing_server_is_checked_before_any_work_and_then_used(existing_se
     assert len(files) == extracted.results["extract"].metrics["samples"] == 16
     assert not list(root.glob("endpoint_states/*.safetensors")), "files moved, none left behind"
     # Several servers, one of them down: the plan warns, the live one extracts every row.
-    from runner.vllm_server import free_port
+    from runner.serving.vllm_server import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     listed = [

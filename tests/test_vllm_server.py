@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from runner.schema import typed
-from runner.vllm_server import ServerError, VllmServer, spec_decode_counters
+from runner.core.schema import typed
+from runner.serving.vllm_server import ServerError, VllmServer, spec_decode_counters
 from tests.conftest import compose
 
 # Serves /health and /v1/models after `delay` seconds, or exits with `code`; starts a grandchild
@@ -170,7 +170,7 @@ def test_vllm_lines_are_shown_in_the_runners_format_and_its_warnings_counted():
     vLLM's process, date and file prefix); its warnings only counted."""
     import logging
 
-    from runner.vllm_server import _echo_line
+    from runner.serving.vllm_server import _echo_line
 
     warnings: list[str] = []
     warn = "(APIServer pid=990) WARNING 12-02 01:38:25 [system_utils.py:299] Found ulimit of 20000"

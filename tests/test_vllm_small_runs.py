@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.errors import StageError
+from runner.core.errors import StageError
 from tests.conftest import compose, run_job
 from tests.vllm_lane import runner_until, servers_under
 

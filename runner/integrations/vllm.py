@@ -2,7 +2,7 @@
 (found by running targets and the Kimi-K2.5 miniature through it), and an adapter to vLLM
 internals (checked against vLLM 0.32.0): does the installed vLLM's class for a target
 architecture implement SupportsEagle3, and does it have hidden-state extraction? The plan
-(runner/preflight.py) asks both before anything loads.
+(runner/engine/preflight.py) asks both before anything loads.
 
 Private APIs touched (in a child process, see `_PROBE`):
 - `vllm.model_executor.models.ModelRegistry._try_load_model_cls(arch)`: the class without weights.
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runner.json_cache import remembered
-from runner.layout import user_cache
-from runner.versions import version_tuple
+from runner.core.json_cache import remembered
+from runner.core.layout import user_cache
+from runner.integrations.versions import version_tuple
 
 # The vLLM builds and versions the runner and these integrations were run and tested with: the
 # CPU build in CI and on the project's own machines (pyproject's `cpu` extra), the CUDA build on

@@ -1,7 +1,8 @@
 """Stage `evaluate`: measured acceptance of the trained draft under real speculative decoding.
 
 Run alone: `python -m runner run.stages=[evaluate]` (needs train in the store).
-The runner starts a vLLM server (runner/vllm_server.py, launched as `hardware.vllm` says) that
+The runner starts a vLLM server (runner/serving/vllm_server.py, launched as `hardware.vllm` says)
+that
 serves the target greedily on held-out prompts (MT-bench by default), one server per setting: with
 the trained draft as an EAGLE-3 speculator (k speculative tokens), without a draft (the target's
 own greedy output and speed), and optionally with a randomly initialised draft of the same shape
@@ -25,17 +26,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from runner import costs
-from runner.assets import load_prompt_sets
-from runner.errors import ConfigError, StageError
-from runner.heldout import HELDOUT
-from runner.prompts import shown, user_turns
-from runner.schema import RunnerConfig
-from runner.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
-from runner.store import damage
-from runner.target_facts import ModelFacts, target_context, weight_bytes
-from runner.versions import VLLM_DISTS
-from runner.vllm_server import shell_command
+from runner.assets.prompts import shown, user_turns
+from runner.assets.sources import load_prompt_sets
+from runner.assets.target_facts import ModelFacts, target_context, weight_bytes
+from runner.core.errors import ConfigError, StageError
+from runner.core.schema import RunnerConfig
+from runner.core.store import damage
+from runner.engine import costs
+from runner.engine.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
+from runner.integrations.versions import VLLM_DISTS
+from runner.serving.vllm_server import shell_command
+from stages.evaluate.heldout import HELDOUT
 from stages.evaluate.measures import (
     acceptance,
     divergence,
@@ -313,7 +314,7 @@ def plan(p: Plan, view: PlanView) -> None:
             + (", checked by a second client (eval.speed_check)" if cfg.eval.speed_check else ""),
         )
     if cfg.eval.draft:
-        from runner.transfer import packed_reason
+        from runner.assets.transfer import packed_reason
 
         packed = packed_reason(Path(cfg.eval.draft).expanduser())
         if packed:

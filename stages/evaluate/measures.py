@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from runner.intervals import ratio_interval, replicates
+from runner.core.intervals import ratio_interval, replicates
 
 log = logging.getLogger("runner")
 

@@ -1,5 +1,6 @@
-"""The evaluation's prompts: eval.prompts by name (packaged sets and files, runner/assets.py; the
-held-out set from the training data, runner/heldout.py), each with room for the answer in
+"""The evaluation's prompts: eval.prompts by name (packaged sets and files,
+runner/assets/sources.py; the
+held-out set from the training data, stages/evaluate/heldout.py), each with room for the answer in
 eval.max_model_len, and the plan's check that the longest fits.
 """
 
@@ -8,20 +9,21 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from runner.assets import load_prompts
-from runner.heldout import HELDOUT, consumed, heldout_prompts
-from runner.plan_tokenizer import file_stamp, plan_tokenizer, remembered
-from runner.prompts import Prompt, messages, user_turns
-from runner.schema import RunnerConfig, prompt_set_name
-from runner.stage import Plan, PlanView, StageContext
-from stages.prepare import load_tokenizer, render, template_kwargs
+from runner.assets.chat import load_tokenizer, render, template_kwargs
+from runner.assets.plan_tokenizer import file_stamp, plan_tokenizer, remembered
+from runner.assets.prompts import Prompt, messages, user_turns
+from runner.assets.sources import load_prompts
+from runner.core.schema import RunnerConfig, prompt_set_name
+from runner.engine.stage import Plan, PlanView, StageContext
+from stages.evaluate.heldout import HELDOUT, consumed, heldout_prompts
 
 log = logging.getLogger("runner")
 
 
 def prompt_sets(ctx: StageContext) -> dict[str, list[Prompt]]:
     """eval.prompts by name; `heldout` from the training data's conversations prepare did not
-    read (runner/heldout.py), each prompt with room for the answer in eval.max_model_len."""
+    read (stages/evaluate/heldout.py), each prompt with room for the answer in
+    eval.max_model_len."""
     e = ctx.cfg.eval
     out = {}
     for source in prompt_sources(ctx.cfg):

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runner.schema import RunnerConfig, prompt_set_name
-from runner.vllm_server import shell_command
+from runner.core.schema import RunnerConfig, prompt_set_name
+from runner.serving.vllm_server import shell_command
 from stages.evaluate.prompt_sets import prompt_sources
 from stages.evaluate.serving import server_args
 

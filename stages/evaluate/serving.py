@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.errors import StageError
+from runner.assets.prompts import Prompt, messages
+from runner.assets.target_facts import ModelFacts
+from runner.core.errors import StageError
+from runner.core.schema import RunnerConfig
 from runner.integrations.speculators import recorded_settings, resolve_train_config
+from runner.integrations.versions import VLLM_DISTS, installed
 from runner.integrations.vllm import per_request_spec_metrics
-from runner.prompts import Prompt, messages
-from runner.schema import RunnerConfig
-from runner.target_facts import ModelFacts
-from runner.versions import VLLM_DISTS, installed
-from runner.vllm_server import (
+from runner.serving.vllm_server import (
     ExistingServer,
     VllmServer,
     counters_delta,

@@ -27,7 +27,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from runner.prompts import Prompt, messages
+from runner.assets.prompts import Prompt, messages
 
 # Untimed passes (concurrency 1, then the batch) before the timed ones.
 WARM_PASSES = 2

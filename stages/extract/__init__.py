@@ -17,7 +17,7 @@ feeds `stats`, and returns at least tokens, seconds and tokens_per_s.
 Online (`extract.mode=online`, `extract=online`): nothing is extracted here. The artifact is the
 record of what training will serve (`served.json`: the vLLM flags, capture ids, vLLM version,
 the endpoint if one is used); the train stage starts that server and speculators fetches every
-sample's states from it, every epoch again (stages/train.py).
+sample's states from it, every epoch again (stages/train/).
 """
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runner import costs
-from runner.checks import check_preset
-from runner.costs import Cost
-from runner.layer_ids import hook_point
-from runner.schema import DTYPE_BYTES, RunnerConfig
-from runner.server_pool import gpu_slices, server_count
-from runner.stage import EXTRACTION, Plan, PlanView, ServerNeed, Stage, StageContext
-from runner.store import fmt_bytes, free_bytes
-from runner.target_facts import ModelFacts, Target
-from runner.versions import VLLM_DISTS, versions
+from runner.assets.target_facts import ModelFacts, Target
+from runner.core.layer_ids import hook_point
+from runner.core.schema import DTYPE_BYTES, RunnerConfig
+from runner.core.store import fmt_bytes, free_bytes
+from runner.engine import costs
+from runner.engine.checks import check_preset
+from runner.engine.costs import Cost
+from runner.engine.stage import EXTRACTION, Plan, PlanView, ServerNeed, Stage, StageContext
+from runner.integrations.versions import VLLM_DISTS, versions
+from runner.serving.server_pool import gpu_slices, server_count
 from stages.extract.samples import LayerStats
 
 log = logging.getLogger("runner")
@@ -87,7 +87,7 @@ def bytes_per_token(slots: int, hidden: int, storage: str, dtype: str) -> int:
 
 def _record_online(ctx: StageContext) -> dict[str, Any]:
     """Online mode: the record of what the train stage serves, instead of stored states."""
-    from stages.extract.vllm_backend import server_args  # imports speculators: only here
+    from runner.serving.hidden_states import server_args  # imports speculators: only here
 
     cfg, facts = ctx.cfg, ctx.facts
     prepared = ctx.inputs["prepare"].manifest.get("metrics", {})
@@ -269,7 +269,7 @@ def cost(view: PlanView, nodes: int) -> Cost | None:
     The rate: this store's last extraction of the same weights on this hardware, else
     hardware.extract_tokens_per_s, else runner/rates.yaml."""
     cfg, hw = view.cfg, view.cfg.hardware
-    tokens, _exact = costs.prepared_tokens(view)
+    tokens, _exact = costs.prepared_tokens(view, "prepare")
     backend = cfg.extract.backend
     # Rows of this target at this TP: this backend's first; a start time from any backend's row
     # beats none (a 1T target loads for half an hour either way), the rate only from this one's.

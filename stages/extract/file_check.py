@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from runner.errors import StageError
+from runner.core.errors import StageError
 from stages.extract.samples import LayerStats, write_sample
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.errors import StageError
+from runner.core.errors import StageError
 
 # At least this share of the decisive positions must agree. A position is decisive when its top
 # two logits are apart by more than DECISIVE_GAP of that position's logit spread: a near tie is

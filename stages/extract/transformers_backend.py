@@ -1,7 +1,8 @@
 """The `transformers` backend of stage `extract`: the target in this process, with forward hooks.
 
 Selected with `extract.backend=transformers` (the default). Hooks sit on the text model's decoder
-layers as runner/target_layout.py finds them (vLLM id k>0 is the output of layer k-1, id 0 the
+layers as runner/assets/target_layout.py finds them (vLLM id k>0 is the output of layer k-1, id 0
+the
 input of layer 0). Rows are batched by length, padded on the right so real positions are
 untouched; on a GPU, copies to the host, file writes and the next forward overlap. Before the
 full run a one-sample self-test checks that the target's own final norm and LM head on the last
@@ -23,30 +24,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from runner.console import bar_interval
-from runner.layer_ids import hook_point
-from runner.schema import RunnerConfig
-from runner.stage import StageContext
-from runner.target_facts import ModelFacts
-from runner.target_layout import decoder_layers, get_module, layout_from_model
+from runner.assets.loading import load_target
+from runner.assets.target_facts import ModelFacts
+from runner.assets.target_layout import decoder_layers, get_module, layout_from_model
+from runner.core.layer_ids import hook_point
+from runner.core.schema import RunnerConfig
+from runner.engine.console import bar_interval
+from runner.engine.stage import StageContext
 from stages.extract.samples import LayerStats, write_sample
 
 log = logging.getLogger("runner")
-
-
-def load_target(path: str, dtype: Any, trust_remote_code: bool) -> Any:
-    """The target with its LM head: a causal LM, or a multimodal wrapper (Kimi-K2.5's
-    KimiK25ForConditionalGeneration) that transformers registers as image-text-to-text only; the
-    runner finds the text model's layers inside it either way (runner/target_layout.py)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    kind = AutoModelForCausalLM
-    if type(config) not in AutoModelForCausalLM._model_mapping and not getattr(
-        config, "auto_map", {}
-    ).get("AutoModelForCausalLM"):
-        kind = AutoModelForImageTextToText
-    return kind.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
 
 
 class TransformersBackend:

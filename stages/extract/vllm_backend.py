@@ -28,54 +28,21 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from runner.console import bar_interval
-from runner.errors import StageError
+from runner.assets.target_facts import ModelFacts
+from runner.core.errors import StageError
+from runner.core.schema import RunnerConfig
+from runner.core.store import fmt_bytes
+from runner.engine.console import bar_interval
+from runner.engine.stage import StageContext
 from runner.integrations.vllm_hidden_states_client import Fetched, Server, ServerGone, fetch_rows
-from runner.schema import RunnerConfig
-from runner.server_pool import answers, serve_pool
-from runner.stage import StageContext
-from runner.store import fmt_bytes
-from runner.target_facts import ModelFacts
-from runner.vllm_server import ExistingServer, VllmServer, engine_args
+from runner.serving.hidden_states import server_args
+from runner.serving.server_pool import answers, serve_pool
+from runner.serving.vllm_server import ExistingServer, VllmServer
 from stages.extract import final_slot
 from stages.extract.file_check import FileCheck
 from stages.extract.samples import LayerStats
 
 log = logging.getLogger("runner")
-CPU_CONNECTOR_MODULE = "runner.integrations.vllm_cpu_connector"
-
-
-def server_args(cfg: RunnerConfig, facts: ModelFacts, staging: Path) -> list[str]:
-    """Flags for an extraction server, all derived from the composed config."""
-    cpu = cfg.hardware.device == "cpu"
-    spec = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {
-            "hf_config": {"eagle_aux_hidden_state_layer_ids": list(facts.extract_ids)}
-        },
-    }
-    kv = {
-        "kv_connector": "CpuHiddenStatesConnector" if cpu else "ExampleHiddenStatesConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(staging)},
-    }
-    if cpu:
-        kv["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
-    step = cfg.extract_batch_tokens()  # extract.batch_tokens; None: vLLM's default
-    batch = ["--max-num-batched-tokens", str(step)] if step else []
-    # Each prepared row plus the one generated token.
-    return [
-        *engine_args(cfg, cfg.data.max_seq_len + 1),
-        *batch,
-        # Both corrupt captured states in some vLLM versions (speculators #279, #283, #994).
-        "--no-enable-chunked-prefill",
-        "--no-enable-prefix-caching",
-        "--speculative-config",
-        json.dumps(spec),
-        "--kv-transfer-config",
-        json.dumps(kv),
-    ]
 
 
 def fetch(

@@ -1,0 +1,7 @@
+"""What a run reads: the target (facts from its config files, where its text model lives, the
+Kimi-K2.5 miniature, the tokenizer the plan uses, loading its weights), conversation data (files
+read row by row, several sources mixed, the chat template's rendering), prompt sets, and drafts
+packed for another machine (`transfer`).
+
+May import: runner.core and runner.integrations. Not the engine, serving, tracking or commands.
+"""

@@ -1,0 +1,230 @@
+"""Move a trained draft between machines without the copy of the target's embeddings it holds.
+
+    eagle3-runner transfer pack DRAFT_DIR OUT_DIR --target TARGET
+    eagle3-runner transfer unpack OUT_DIR.packed DRAFT_DIR --target TARGET
+(`python -m runner.assets.transfer` is the same tool.) TARGET is the target's model folder or its
+hub
+id (e.g. moonshotai/Kimi-K2.5): from the hub only the files that hold the tensors the draft shares
+are fetched (through huggingface_hub's cache; offline, a cached copy serves).
+
+An EAGLE-3 draft stores the target's input embedding table (frozen while training): for
+SmolLM2-135M 57 MB of its 76 MB, for Kimi-K2.5 2.3 GB. `pack` writes the draft without every
+tensor that is byte-identical to one of the target's (found by comparing, not by name), recording
+for each the target's tensor name and sha256 in `packed.json`. `unpack` on the other machine reads
+those tensors from its own copy of the target, refuses if any differs from what was recorded
+(another target, or other weights), and writes the complete draft folder, which speculators and
+vLLM load as usual. Both write beside OUT_DIR and rename it into place.
+
+A packed folder cannot be served as it is: its name ends in `.packed` (added when OUT_DIR lacks
+it) and it holds NEEDS_UNPACKING.txt with the command that restores it; `publish` and the
+evaluate stage's plan (eval.draft) refuse it.
+
+Evaluate a draft that was trained elsewhere with `python -m runner eval.draft=OUT_DIR
+run.stages=[evaluate]` (the same model, hardware and eval settings as any run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from runner.assets.target_facts import hub_repo_id
+from runner.core.interrupts import companion
+from runner.core.store import new_folder
+
+WEIGHTS = "model.safetensors"
+MANIFEST = "packed.json"
+PACKED_SUFFIX = ".packed"
+MARKER = "NEEDS_UNPACKING.txt"
+# The only target tensors an EAGLE-3 draft holds copies of: what `pack` looks for in a hub
+# target's shards (a local target is searched whole, by content).
+SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def packed_reason(folder: Path) -> str | None:
+    """Why `folder` is not a servable draft but a packed one (None if it is not packed)."""
+    if (folder / MANIFEST).is_file() or (folder / MARKER).is_file():
+        return (
+            f"{folder} is a packed draft (the target's tensors were left out); unpack it first: "
+            f"eagle3-runner transfer unpack {folder} OUT_DIR --target TARGET"
+        )
+    return None
+
+
+def target_files(target: str | Path, names: set[str] | None = None) -> dict[str, Path]:
+    """The target's .safetensors files, name -> local path: a folder's own, or a hub id's from
+    huggingface_hub's cache (fetched if missing and online). `names`: only those files (unpack);
+    for a hub id without `names`, the shards holding the tensors a draft shares (pack)."""
+    folder = Path(target).expanduser()
+    if folder.is_dir():
+        found = {f.name: f for f in sorted(folder.glob("*.safetensors"))}
+        if not found:
+            raise FileNotFoundError(f"no .safetensors file in the target folder {folder}")
+        return {n: f for n, f in found.items() if names is None or n in names}
+    if hub_repo_id(str(target)) is None:
+        raise FileNotFoundError(f"--target {target}: neither a folder nor a hub id (org/name)")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    def fetch(name: str) -> Path:
+        try:
+            return Path(hf_hub_download(str(target), name))
+        except EntryNotFoundError:
+            raise
+        except Exception as exc:  # offline without a cached copy, no such repo, no access
+            raise FileNotFoundError(
+                f"--target {target}: cannot get {name} from the hub or its cache ({exc}); give "
+                "the target's local folder instead"
+            ) from None
+
+    if names is None:
+        try:
+            index = json.loads(fetch("model.safetensors.index.json").read_text())["weight_map"]
+            names = {f for t, f in index.items() if t.endswith(SHARED_TENSORS)}
+        except EntryNotFoundError:  # one unsharded file
+            names = {WEIGHTS}
+    return {n: fetch(n) for n in sorted(names)}
+
+
+def _sha256(t: Any) -> str:
+    """Of the tensor's bytes (any dtype, bf16 included)."""
+    import torch
+
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def _find_in_target(tensor: Any, files: dict[str, Path]) -> tuple[str, str] | None:
+    """(file name, tensor name) of a tensor of the target equal to `tensor`, if any."""
+    import torch
+    from safetensors import safe_open
+
+    for f in files.values():
+        with safe_open(str(f), "pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 (safe_open is not iterable)
+                sl = fh.get_slice(name)
+                if tuple(sl.get_shape()) != tuple(tensor.shape):
+                    continue
+                other = fh.get_tensor(name)
+                if other.dtype == tensor.dtype and torch.equal(other, tensor):
+                    return f.name, name
+    return None
+
+
+def packed_name(out: Path) -> Path:
+    """OUT_DIR as `pack` writes it: its name says that it needs unpacking."""
+    return out if out.name.endswith(PACKED_SUFFIX) else out.with_name(out.name + PACKED_SUFFIX)
+
+
+def pack(draft: Path, out: Path, target: str | Path) -> dict[str, Any]:
+    from safetensors.torch import load_file, save_file
+
+    if packed_reason(draft):
+        raise ValueError(f"{draft} is already packed")
+    out = packed_name(out)
+    files = target_files(target)
+    weights = load_file(str(draft / WEIGHTS))
+    omitted: dict[str, Any] = {}
+    for name, t in weights.items():
+        if t.numel() < 1 << 16:  # small tensors travel as they are
+            continue
+        where = _find_in_target(t, files)
+        if where is not None:
+            omitted[name] = {
+                "file": where[0],
+                "tensor": where[1],
+                "sha256": _sha256(t),
+                "shape": list(t.shape),
+                "dtype": str(t.dtype),
+            }
+    with new_folder(out) as tmp:
+        for f in draft.iterdir():
+            if f.is_file() and f.name != WEIGHTS:
+                shutil.copy2(f, tmp / f.name)
+        save_file(
+            {k: v for k, v in weights.items() if k not in omitted},
+            str(tmp / WEIGHTS),
+            metadata={"format": "pt"},
+        )
+        record = {"omitted": omitted, "target_hint": str(target), "out": str(out)}
+        (tmp / MANIFEST).write_text(json.dumps(record, indent=1))
+        (tmp / MARKER).write_text(
+            "This EAGLE-3 draft is packed: the tensors it shares with its target were left out\n"
+            f"(listed in {MANIFEST}), so it cannot be served or published as it is. Restore it:\n"
+            f"    eagle3-runner transfer unpack {out.name} DRAFT_DIR --target {target}\n"
+        )
+    return record
+
+
+def unpack(packed: Path, out: Path, target: str | Path) -> dict[str, Any]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    if not (packed / MANIFEST).is_file():
+        raise FileNotFoundError(f"{packed} is not a packed draft (no {MANIFEST})")
+    record = json.loads((packed / MANIFEST).read_text())
+    files = target_files(target, {how["file"] for how in record["omitted"].values()})
+    weights = load_file(str(packed / WEIGHTS))
+    for name, how in record["omitted"].items():
+        path = files.get(how["file"], Path(str(target)) / how["file"])
+        try:
+            with safe_open(str(path), "pt") as fh:
+                t = fh.get_tensor(how["tensor"])
+        except Exception as exc:  # a missing file or tensor: safetensors raises several kinds
+            raise ValueError(
+                f"{path}: no tensor {how['tensor']} ({exc}); is {target} the "
+                "target this draft was trained for?"
+            ) from None
+        if _sha256(t) != how["sha256"]:
+            raise ValueError(
+                f"{how['tensor']} of {target} differs from the one the draft was trained with "
+                f"(sha256 {how['sha256'][:12]}); it needs the same target weights"
+            )
+        weights[name] = t
+    with new_folder(out) as tmp:
+        for f in packed.iterdir():
+            if f.is_file() and f.name not in (WEIGHTS, MANIFEST, MARKER):
+                shutil.copy2(f, tmp / f.name)
+        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagle3-runner transfer", description=__doc__.splitlines()[0])
+    ap.add_argument("action", choices=("pack", "unpack"))
+    ap.add_argument("src", type=Path, help="the draft folder (pack) or the packed one (unpack)")
+    ap.add_argument(
+        "out",
+        type=Path,
+        help="the folder to write (must not exist, or be empty); pack adds .packed",
+    )
+    ap.add_argument(
+        "--target", required=True, help="the target's model folder, or its hub id (org/name)"
+    )
+    args = ap.parse_args(argv)
+    return companion("transfer", lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "pack":
+            rec = pack(args.src, args.out, args.target)
+        else:
+            rec = unpack(args.src, args.out, args.target)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f"transfer: {exc}", file=sys.stderr)
+        return 1
+    out = Path(rec.get("out", args.out)) if args.action == "pack" else args.out
+    size = (out / WEIGHTS).stat().st_size
+    names = ", ".join(f"{k} (= target's {v['tensor']})" for k, v in rec["omitted"].items())
+    verb = "left out" if args.action == "pack" else "restored"
+    print(f"{args.action}ed {args.src} -> {out} ({size / 1e6:.1f} MB); {verb}: {names or '-'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""Publish a trained draft as a folder ready for the Hugging Face Hub, with a model card:
+`eagle3-runner publish OUT [--run RUN_ID] [--repo-id ORG/NAME] [--license ID] [--push]`.
+
+Without --run, the newest top-level run of the experiment that trained a draft is used. A sweep's
+parent run publishes its best child by the sweep's objective (or is refused, listing its
+children, when none was evaluated). OUT gets
+the draft's files (readable by all) and README.md: the base model, license and datasets (front
+matter: model.license / data.hub_id, else what the target's README or GGUF metadata and the
+data's source say), the capture ids and their convention, the vocabulary sizes, the acceptance
+the runner measured (set, k, per position), the vLLM serve command and the training command. The
+card names no path of this machine; the command that serves OUT here, with the runner's engine
+flags, is printed and written to OUT/serve_local.sh (never uploaded). A run that evaluated a
+draft trained elsewhere (eval.draft) publishes that draft; a packed draft (runner.assets.transfer)
+is
+refused. --push uploads OUT to
+--repo-id with huggingface_hub (which needs the network and a token; nothing else here does).
+OUT is written beside itself and renamed into place; an existing non-empty OUT is refused.
+Options: --output-root DIR (default $EAGLE3_RUNNER_HOME, else ./outputs), --tracking-uri URI,
+--experiment NAME (default eagle3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from runner.assets.target_facts import hub_repo_id
+from runner.core.interrupts import companion
+from runner.core.layout import default_root
+from runner.core.store import new_folder
+from runner.tracking.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, RESULTS_FILE
+from runner.tracking.runs import missing_store, tracking_uri
+
+
+def _find_run(client: Any, experiment: str, run_id: str | None) -> Any:
+    if run_id:
+        return client.get_run(run_id)
+    exp = client.get_experiment_by_name(experiment)
+    runs = (
+        client.search_runs(
+            [exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=200
+        )
+        if exp
+        else []
+    )
+    for run in runs:
+        if "path.train" in run.data.tags and run.info.status == "FINISHED":
+            return run
+    return None
+
+
+def best_child(children: list[Any]) -> tuple[Any, str, float] | None:
+    """The finished child with a draft that scores highest on its objective column (the tags
+    every job records: runner/tracking/job_tags.py), with the column and its value; None if no child
+    has one."""
+    scored = []
+    for child in children:
+        tags = child.data.tags
+        if child.info.status != "FINISHED" or "path.train" not in tags:
+            continue
+        objective = tags.get(OBJECTIVE_TAG)
+        try:
+            value = json.loads(tags.get(COLUMNS_TAG, "{}")).get(objective) if objective else None
+        except ValueError:
+            value = None
+        if isinstance(value, int | float):
+            scored.append((float(value), child.info.run_id, child, objective))
+    if not scored:
+        return None
+    value, _, child, objective = max(scored, key=lambda s: (s[0], s[1]))
+    return child, objective, value
+
+
+def _resolve_parent(client: Any, run: Any) -> tuple[Any | None, str]:
+    """A run that trained no draft itself: a sweep's parent gives its best child; else none,
+    with the reason."""
+    children = client.search_runs(
+        [run.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}'",
+        max_results=1000,
+    )
+    if not children:
+        return None, f"run {run.info.run_id} trained no draft (no path.train tag, no child runs)"
+    best = best_child(children)
+    if best is None:
+        ids = ", ".join(c.info.run_id for c in children)
+        return None, (
+            f"run {run.info.run_id} is a sweep's parent and none of its children was evaluated, "
+            f"so there is no best one to choose; publish one of them with --run: {ids}"
+        )
+    child, objective, value = best
+    return child, (
+        f"run {run.info.run_id} is a sweep's parent: publishing its best child "
+        f"{child.info.run_id} ({objective} {value:.3f}, of {len(children)} children)"
+    )
+
+
+def local_serve_command(run: Any, folder: Path) -> str | None:
+    """The command the evaluation served the draft with on its machine (engine flags, and on CPU
+    the memory settings), pointed at the published folder; None if the run evaluated nothing."""
+    try:
+        manifest = Path(run.data.tags["path.evaluate"]) / "manifest.json"
+        served = json.loads(manifest.read_text())["served"]
+        return served["serve_command"].replace(served["draft"], str(folder.resolve()))
+    except (KeyError, OSError, ValueError):
+        return None
+
+
+def run_results(run: Any) -> list[dict[str, Any]]:
+    """The results rows the run's stages declared (its results.json:
+    runner/tracking/job_tags.py)."""
+    import mlflow  # the caller already has a run: mlflow is imported
+
+    try:
+        text = mlflow.artifacts.load_text(f"{run.info.artifact_uri}/{RESULTS_FILE}")
+        return list(json.loads(text))
+    except Exception:  # a run from before results.json, or one that evaluated nothing
+        return []
+
+
+# The runner's machine-specific serve command, written beside the card (it names this machine's
+# paths, so it is neither in the card nor uploaded).
+LOCAL_SERVE = "serve_local.sh"
+
+
+def _front_matter(readme: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        text = readme.read_text()
+        if text.startswith("---"):
+            return yaml.safe_load(text.split("---", 2)[1]) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        pass
+    return {}
+
+
+def _gguf_license(source: str | None, gguf_file: str | None) -> str | None:
+    """general.license of a "package:" source's GGUF file (the embedded default's)."""
+    import importlib.util
+
+    if not source or not source.startswith("package:") or not gguf_file:
+        return None
+    try:
+        spec = importlib.util.find_spec(source.removeprefix("package:"))
+        folder = Path(next(iter(spec.submodule_search_locations)))  # type: ignore[union-attr]
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(folder / gguf_file)).fields.get("general.license")
+        return bytes(field.parts[field.data[0]]).decode() if field else None
+    except Exception:  # no such package or file, not a GGUF: the license is not known
+        return None
+
+
+def card_license(params: dict[str, str], draft_config: dict[str, Any]) -> str | None:
+    """model.license, else what the target says: its folder's README front matter, its GGUF
+    metadata. None if nothing says."""
+    given = params.get("model.license")
+    if given and given != "None":
+        return given
+    local = draft_config.get("eagle3_runner", {}).get("target_local_path")
+    found = _front_matter(Path(local) / "README.md").get("license") if local else None
+    return found or _gguf_license(params.get("model.source"), params.get("model.gguf_file"))
+
+
+def card_datasets(params: dict[str, str]) -> list[str]:
+    """The hub ids of the training data: data.hub_id, else data.source when it is one."""
+    found = []
+    for key in ("data.hub_id", "data.source"):
+        hub = hub_repo_id(params.get(key))
+        if hub:
+            found.append(hub)
+            break
+    return found
+
+
+def draft_attention(draft_config: dict[str, Any]) -> str:
+    """Each draft layer's attention as the draft's config gives it to vLLM."""
+    layer = draft_config.get("transformer_layer_config", {})
+    types = layer.get("layer_types") or ["full_attention"] * int(layer.get("num_hidden_layers", 1))
+    window = layer.get("sliding_window")
+    words = {"sliding_attention": f"sliding window of {window} tokens", "full_attention": "full"}
+    return ", ".join(f"layer {i}: {words.get(t, t)}" for i, t in enumerate(types))
+
+
+def model_card(
+    run: Any,
+    draft_config: dict[str, Any],
+    repo: str,
+    results: list[dict[str, Any]] | None = None,
+    license_: str | None = None,
+) -> str:
+    """README.md for the published folder, from the run's params, its results rows and the
+    draft's own config. It names no path of this machine: the target by its hub id (or its
+    name), the draft by `repo`."""
+    p = run.data.params
+    ours = draft_config.get("eagle3_runner", {})
+    hub = hub_repo_id(ours.get("target_hub_id")) or hub_repo_id(p.get("model.hub_id"))
+    target = hub or f"{p.get('model.name')} (a local model: set model.hub_id to name it)"
+    k = int(p.get("eval.num_speculative_tokens", "3"))
+    spec = {"method": "eagle3", "model": repo, "num_speculative_tokens": k}
+    serve = shlex.join(["vllm", "serve", hub or "TARGET", "--speculative-config", json.dumps(spec)])
+    if p.get("model.trust_remote_code") == "True":
+        serve += " --trust-remote-code"
+    found = results if results is not None else run_results(run)
+    rows = []
+    for r in found:
+        if "acceptance_length" not in r:
+            continue
+        per_pos = " / ".join(f"{v:.3f}" for v in r.get("per_position", []))
+        random = r.get("random_acceptance_length")
+        rows.append(
+            f"| {r.get('set')} ({int(r.get('prompts') or 0)} prompts) | {r.get('k', k)} | "
+            f"{r['acceptance_length']:.3f} | {per_pos} | "
+            f"{'-' if random is None else f'{random:.3f}'} |"
+        )
+    acceptance = "\n".join(rows) or "| not evaluated | | | | |"
+    lic = license_ or card_license(p, draft_config)
+    datasets = card_datasets(p)
+    front_yaml = "\n".join(
+        [
+            *([f"base_model: {json.dumps(hub)}"] if hub else []),
+            *([f"license: {lic}"] if lic else []),
+            *(["datasets:", *(f"  - {d}" for d in datasets)] if datasets else []),
+            "library_name: speculators",
+            "tags:",
+            *(f"  - {t}" for t in ("speculative-decoding", "eagle3", "speculators", "vllm")),
+        ]
+    )
+    aux = draft_config.get("eagle_aux_hidden_state_layer_ids")
+    vocab = f"{draft_config.get('draft_vocab_size')} of {p.get('resolved.vocab_size')}"
+    kept = next((r["rows"] for r in found if "rows" in r), 0)
+    rows = f"{int(kept or 0)} rows of up to {p.get('data.max_seq_len')} tokens"
+    data = datasets[0] if datasets else p.get("data.name")
+    recipe = (
+        f"{p.get('train.epochs')} epoch(s), lr {p.get('train.lr')}, "
+        f"{p.get('train.optimizer')}, {p.get('train.ttt_steps')} TTT steps"
+    )
+    table = "\n".join(
+        [
+            "| | |",
+            "|---|---|",
+            f"| target | {target} ({ours.get('target_num_layers')} decoder layers) |",
+            f"| capture ids | {ours.get('capture_ids')}: {ours.get('layer_id_convention')} |",
+            f"| aux layer ids (`eagle_aux_hidden_state_layer_ids`) | {aux} |",
+            f"| draft vocabulary | {vocab} target tokens |",
+            f"| data | {data} ({p.get('data.name')}), {rows} |",
+            f"| training | {recipe} |",
+            f"| draft attention | {draft_attention(draft_config)} |",
+            f"| license | {lic or 'not known: set model.license or pass --license'} |",
+        ]
+    )
+    where = (
+        ""
+        if hub
+        else "\nTARGET is the target model's folder or hub id (it was a local model here).\n"
+    )
+    return f"""---
+{front_yaml}
+---
+
+# EAGLE-3 draft for {hub or p.get("model.name")}
+
+Trained by eagle3-runner (MLflow run `{run.info.run_id}`) with speculators
+{draft_config.get("speculators_version", "?")}.
+
+{table}
+
+## Acceptance measured by the runner (served by vLLM, greedy)
+
+| prompts | k | acceptance length | per position | random draft |
+|---|---|---|---|---|
+{acceptance}
+
+## Serve with vLLM
+
+```bash
+{serve}
+```
+{where}
+## Training command (as speculators recorded it)
+
+See `train_command.txt`.
+"""
+
+
+def draft_folder(run: Any) -> Path:
+    """The run's draft: the one it trained, else the one its evaluation served (eval.draft)."""
+    tags = run.data.tags
+    if "path.train" in tags:
+        return Path(tags["path.train"]) / "draft"
+    try:
+        manifest = Path(tags["path.evaluate"]) / "manifest.json"
+        return Path(json.loads(manifest.read_text())["served"]["draft"])
+    except (KeyError, OSError, ValueError):
+        raise FileNotFoundError(f"run {run.info.run_id} has no draft") from None
+
+
+def publish(
+    run: Any, out: Path, repo: str | None, license_: str | None = None
+) -> tuple[Path, str | None]:
+    """The draft as a hub folder with its card; returns it and the command that serves it on
+    this machine (also written to serve_local.sh beside the card), if the run evaluated it."""
+    from runner.assets.transfer import packed_reason
+
+    draft = draft_folder(run)
+    if not (draft / "config.json").is_file():
+        raise FileNotFoundError(f"no draft in {draft} (run {run.info.run_id})")
+    reason = packed_reason(draft)
+    if reason:
+        raise ValueError(reason)
+    local = local_serve_command(run, out)
+    with new_folder(out) as tmp:
+        shutil.copytree(draft, tmp, dirs_exist_ok=True)
+        config = json.loads((tmp / "config.json").read_text())
+        repo_ref = repo or f"./{out.name}"
+        (tmp / "README.md").write_text(model_card(run, config, repo_ref, license_=license_))
+        if local:
+            (tmp / LOCAL_SERVE).write_text(
+                "#!/bin/sh\n# Serves this folder on the machine that evaluated it, with the "
+                "runner's engine flags\n# (not uploaded: it names this machine's paths).\n"
+                f"{local}\n"
+            )
+            (tmp / LOCAL_SERVE).chmod(0o755)
+    return out, local
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagle3-runner publish", description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="the folder to write (must not exist, or be empty)")
+    ap.add_argument("--run", help="MLflow run id (default: the newest run that trained a draft)")
+    ap.add_argument("--repo-id", help="hub repository id, used in the card's serve command")
+    ap.add_argument("--push", action="store_true", help="upload the folder to --repo-id")
+    ap.add_argument(
+        "--license", help="the card's license (default: model.license, else the target's)"
+    )
+    ap.add_argument("--tracking-uri")
+    ap.add_argument("--output-root", default=default_root())
+    ap.add_argument("--experiment", default="eagle3")
+    args = ap.parse_args(argv)
+    if args.push and not args.repo_id:
+        ap.error("--push needs --repo-id")
+    return companion("publish", lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
+    uri = tracking_uri(args.tracking_uri, Path(args.output_root).expanduser().resolve())
+    problem = missing_store(uri)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
+    # (its bar for the one small results file it downloads would be most of the output)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    import mlflow  # seconds to import; after the cheap checks
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient(uri)
+    try:
+        run = _find_run(client, args.experiment, args.run)
+    except MlflowException:
+        print(f"no run {args.run} in {uri}", file=sys.stderr)
+        return 1
+    if run is None:
+        print(f"no finished run with a trained draft in {uri}", file=sys.stderr)
+        return 1
+    if not {"path.train", "path.evaluate"} & set(run.data.tags):
+        run, why = _resolve_parent(client, run)
+        print(why, file=sys.stderr if run is None else sys.stdout)
+        if run is None:
+            return 1
+    try:
+        out, local = publish(run, Path(args.out), args.repo_id, args.license)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f"publish: {exc}", file=sys.stderr)
+        return 1
+    print(f"published the draft of run {run.info.run_id} to {out} (model card: {out}/README.md)")
+    if not _front_matter(out / "README.md").get("license"):
+        print("publish: the card names no license: set model.license or pass --license")
+    if local:
+        print(f"serve it here ({out / LOCAL_SERVE}):\n  {local}")
+    if args.push:
+        from huggingface_hub import HfApi
+
+        HfApi().upload_folder(
+            folder_path=str(out),
+            repo_id=args.repo_id,
+            repo_type="model",
+            ignore_patterns=[LOCAL_SERVE],
+        )
+        print(f"uploaded to https://huggingface.co/{args.repo_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

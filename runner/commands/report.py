@@ -1,0 +1,75 @@
+"""Print a sweep's comparison table, or one run's results, from MLflow:
+`python -m runner.commands.report [RUN_ID]`.
+
+RUN_ID may be a sweep's parent run (its jobs are compared) or any single run (its row alone).
+Without an id, the newest run of the experiment is shown: a sweep parent if it is one. The
+store is only read: a missing one is an error, never created. Options:
+    --tracking-uri URI   (default: $MLFLOW_TRACKING_URI, else sqlite:///<output root>/mlflow.db)
+    --output-root DIR    (default: $EAGLE3_RUNNER_HOME, else ./outputs)
+    --experiment NAME    (default: eagle3)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from runner.core.layout import default_root
+from runner.tracking.runs import missing_store, tracking_uri
+from runner.tracking.sweep import comparison_rows, render_table, run_row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="eagle3-runner report", description=__doc__.splitlines()[0])
+    ap.add_argument("parent", nargs="?", help="a run or sweep parent id (default: the newest)")
+    ap.add_argument("--run", dest="run_id", help="the same as RUN_ID (publish's name for it)")
+    ap.add_argument("--tracking-uri")
+    ap.add_argument("--output-root", default=default_root())
+    ap.add_argument("--experiment", default="eagle3")
+    args = ap.parse_args(argv)
+    args.parent = args.parent or args.run_id
+    root = Path(args.output_root).expanduser().resolve()
+    uri = tracking_uri(args.tracking_uri, root)
+    problem = missing_store(uri)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
+    import mlflow  # seconds to import; after the cheap checks
+
+    client = mlflow.MlflowClient(uri)
+    run_id = args.parent
+    if run_id is None:
+        exp = client.get_experiment_by_name(args.experiment)
+        newest = (
+            client.search_runs(
+                [exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=200
+            )
+            if exp
+            else []
+        )
+        # A sweep's jobs are shown through their parent.
+        runs = [r for r in newest if "mlflow.parentRunId" not in r.data.tags]
+        if not runs:
+            print(f"no run in experiment {args.experiment!r} at {uri}", file=sys.stderr)
+            return 1
+        run_id = runs[0].info.run_id
+    run = client.get_run(run_id)
+    tags = run.data.tags
+    if "sweep.config" in tags:
+        print(
+            f"sweep {tags.get('sweep.config', '?')} ({run_id}, {run.info.status}): "
+            f"{tags.get('sweep.overrides', '')}"
+        )
+        print(render_table(comparison_rows(client, run_id)))
+    else:
+        print(f"run {tags.get('mlflow.runName', '')} ({run_id}, {run.info.status})")
+        print(render_table([run_row(run, [])]))
+        note = tags.get("mlflow.note.content")
+        if note:
+            print(note.strip("`\n"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

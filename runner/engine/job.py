@@ -1,0 +1,445 @@
+"""One runner job: typed config, checks, target facts, plan, stages in one MLflow run, summary.
+
+`run_job(cfg, stages=REGISTRY)` is what `python -m runner` calls once per job (once per sweep
+point under `-m`), with the registry the composition root (runner/__main__.py) hands it. It can
+be called directly with a composed config and any stages, which is how the tests drive it.
+The order is fixed: convert the composed config to `RunnerConfig` and run the config checks,
+read the target's facts from its config files and check the config against them, plan once (and
+stop there with `run.plan_only`), then materialise the target and execute that plan inside one
+MLflow run.
+Environment changes (hardware.env, MLflow's variables) are undone when the job ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from runner.assets.sources import resolve_model
+from runner.assets.target_facts import Target, resolve_target
+from runner.core.errors import ConfigError, StageError
+from runner.core.interrupts import Interrupted, as_interrupted, held_back, stop_on_signals
+from runner.core.layout import RunLayout
+from runner.core.schema import RunnerConfig, schema_for, typed
+from runner.core.store import ArtifactStore, writable_root
+from runner.engine.checks import check_config, check_target
+from runner.engine.console import counted, library_note, quiet_libraries
+from runner.engine.pipeline import Pipeline, StageResult
+from runner.engine.preflight import build_plan
+from runner.engine.stage import Plan, Stage, check_registry
+from runner.integrations.versions import TRACKED, versions
+from runner.processes.cluster import is_follower
+from runner.tracking.job_tags import (
+    COLUMNS_TAG,
+    OBJECTIVE_TAG,
+    PLOTTED_TAG,
+    RESULTS_FILE,
+    SERIES_TAG,
+)
+from runner.tracking.runs import Tracker, process_tags, tracking_uri
+from runner.tracking.sweep import PARENT_ENV, sweep_job_tags, swept_keys
+
+log = logging.getLogger("runner")
+# Set: an unexpected error while planning shows its traceback instead of one line.
+TRACEBACK_ENV = "EAGLE3_RUNNER_TRACEBACK"
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class JobResult:
+    plan: Plan
+    target: Target
+    # Empty for a plan-only run.
+    results: dict[str, StageResult] = field(default_factory=dict)
+    run_id: str | None = None
+    tracking_uri: str | None = None
+    seconds: float = 0.0
+    # The metric a stage declares as the run's objective (returned to Hydra sweepers).
+    objective: float | None = None
+
+    @property
+    def stages(self) -> dict[str, str]:
+        """stage name -> "computed" or "cached"."""
+        return {name: r.status for name, r in self.results.items()}
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=REPO
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _job_log_handlers() -> list[logging.Handler]:
+    """The log files Hydra's job logging writes (`<run dir>/__main__.log`), if any."""
+    return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+
+
+# The libraries' warnings counted before this job (runner/engine/console.py): its summary reports
+# its own.
+_WARNINGS_AT_START: dict[str, int] = {}
+
+
+def _setup_logging() -> None:
+    _WARNINGS_AT_START.clear()
+    _WARNINGS_AT_START.update(counted())
+    root = logging.getLogger("runner")
+    if not root.handlers:
+        h = logging.StreamHandler(sys.stdout)
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        root.addHandler(h)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+    # The runner's lines belong in Hydra's job log too, beside the libraries' (each job of a
+    # sweep has its own file: the previous job's is replaced).
+    for h in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(h)
+    for h in _job_log_handlers():
+        root.addHandler(h)
+    quiet_libraries()
+
+
+def _echo(text: str) -> None:
+    """Print `text` (the plan, the summary) and write it to Hydra's job log as well."""
+    print(text, flush=True)
+    for h in _job_log_handlers():
+        h.handle(logging.LogRecord("runner", logging.INFO, __file__, 0, text, None, None))
+
+
+@contextlib.contextmanager
+def _scoped_environ() -> Iterator[None]:
+    """Whatever the job sets (hardware.env, MLflow's and speculators' variables), the
+    environment is afterwards exactly what it was: later jobs of a sweep, and the tests, start
+    from the user's own."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _cpu_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads for the stages (hardware.cpu_threads); restored afterwards."""
+    if n is None:
+        yield
+        return
+    import torch  # only a run that computes stages needs torch in this process
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobResult:
+    """One job over `stages` (the registry, in pipeline order)."""
+    _setup_logging()
+    with _scoped_environ(), stop_on_signals():
+        return _run_job(node, check_registry(stages))
+
+
+def _output_root(node: DictConfig | RunnerConfig) -> Path:
+    return Path(node.run.output_root).expanduser().resolve()
+
+
+def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobResult:
+    t_start = time.time()
+    try:  # before the job has a run of its own: a failure is recorded for a sweep's parent
+        cfg = typed(node, schema_for(stages))
+        # Everything knowable from the config alone, before anything loads.
+        check_config(cfg, tuple(s.name for s in stages))
+        output_root = writable_root(_output_root(node))
+        layout = RunLayout(output_root)
+        os.environ.update({str(k): str(v) for k, v in cfg.hardware.env.items()})
+        target = resolve_target(cfg, output_root)  # config files only; no weights
+        check_target(cfg, target, stages)
+        store = ArtifactStore(output_root)
+        # A node after the first runs no stage of its own: it joins the stages that span nodes.
+        follower = is_follower(cfg)
+        if not cfg.run.plan_only and not follower:
+            store.remove_dead_temps()
+        pipeline = Pipeline(
+            cfg, target.facts, store, stages, rerun_command=rerun_command(), layout=layout
+        )
+        # Planned once: the pipeline executes this plan, the one printed (no side effects).
+        planned = pipeline.plan()
+        plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, layout)
+        _echo(plan.render())
+        log.info("preflight took %.2f s since start", time.time() - t_start)
+        plan.raise_first_error()
+        if cfg.run.plan_only:
+            return JobResult(plan=plan, target=target)
+        if follower:
+            _follow(cfg, planned, store)
+            return JobResult(plan=plan, target=target, seconds=time.time() - t_start)
+        pipeline.refuse_damaged(planned)
+        resolve_model(cfg.model, output_root)  # converts a packaged GGUF once
+        tracker = Tracker(cfg.tracking, output_root)
+    except Exception as exc:
+        _record_failed_sweep_job(node, exc)
+        if isinstance(exc, ConfigError | StageError) or os.environ.get(TRACEBACK_ENV):
+            raise
+        # Before any stage runs, what fails is reading the user's config, files or servers'
+        # answers: one line, never a traceback (EAGLE3_RUNNER_TRACEBACK=1 shows where).
+        raise ConfigError(
+            "run",
+            f"the plan could not read its inputs: {type(exc).__name__}: {str(exc)[:300]} "
+            f"(set {TRACEBACK_ENV}=1 for the traceback)",
+        ) from exc
+
+    pipeline.tracker = tracker
+    pipeline.disk_needs = {
+        k.split(".", 1)[1]: v for k, v in plan.numbers.items() if k.startswith("disk_need.")
+    }
+    run_id = tracker.start(_run_name(cfg, tracker), _run_tags(target))
+    try:
+        _log_config(tracker, cfg, target)
+        with _cpu_threads(cfg.hardware.cpu_threads):
+            results = {r.name: r for r in pipeline.run(planned)}
+        for r in results.values():
+            _log_outputs(tracker, cfg, r)
+        _log_comparison(tracker, cfg, results)
+        result = JobResult(
+            plan=plan,
+            target=target,
+            results=results,
+            run_id=run_id,
+            tracking_uri=tracker.uri,
+            seconds=time.time() - t_start,
+            objective=_objective(results),
+        )
+        summary, description = _summary(result, cfg, tracker)
+        # The results head the run's page in the MLflow UI.
+        tracker.set_description("```\n" + description + "\n```")
+    except BaseException as exc:
+        # A signal is not a failure of the run's own making: MLflow shows it as KILLED. A second
+        # signal while the run is being closed waits until it is closed.
+        with held_back():
+            _end_failed(tracker, "KILLED" if as_interrupted(exc) else "FAILED")
+        raise
+    with held_back() as came:
+        tracker.end("FINISHED")
+    _echo(summary)
+    if came:  # the work was done and recorded; the process still stops as it was told
+        raise Interrupted(came[0], "the run had finished and is recorded as FINISHED")
+    return result
+
+
+def _follow(cfg: RunnerConfig, planned: list[Any], store: ArtifactStore) -> None:
+    """A node after the first: each planned stage that spans nodes (`Stage.follow`) joins the
+    leader's work; a plan with none leaves this node nothing to do."""
+    spanning = [p for p in planned if p.stage.follow is not None]
+    if not spanning:
+        log.info("this plan has no stage that spans nodes: nothing for this node to do")
+    for item in spanning:
+        item.stage.follow(cfg, item, store)
+
+
+def rerun_command() -> str:
+    """The command line that runs this job again (its Hydra overrides)."""
+    if not HydraConfig.initialized():
+        return "the same command (run_job with the same config)"
+    return shlex.join(["python", "-m", "runner", *HydraConfig.get().overrides.task])
+
+
+def _run_name(cfg: RunnerConfig, tracker: Tracker) -> str:
+    name = cfg.run_name()
+    # A sweep's jobs are told apart by the values they sweep (chart legends show run names);
+    # the overrides every job shares would only repeat.
+    parent = os.environ.get(PARENT_ENV)
+    overrides = sweep_job_tags().get("sweep.overrides") if parent else None
+    if not overrides:
+        return name
+    shown = shlex.split(overrides)
+    try:
+        keys = set(swept_keys(tracker.mlflow.MlflowClient(tracker.uri).get_run(parent).data.tags))
+    except Exception:  # the parent cannot be read: name the job by all its overrides
+        keys = set()
+    swept = [o for o in shown if o.split("=", 1)[0].lstrip("+~") in keys]
+    return f"{name} [{shlex.join(swept or shown)}]"
+
+
+def _run_tags(target: Target) -> dict[str, str]:
+    tags = {
+        **process_tags(),
+        "git_commit": _git_commit(),
+        "model_path": target.facts.path,
+        **{f"version.{lib}": v for lib, v in versions(TRACKED).items()},
+    }
+    parent = os.environ.get(PARENT_ENV)
+    if parent:  # a job of a sweep: nest under the sweep's parent run
+        tags.update(mlflow_parent_tags(parent))
+    return tags
+
+
+def mlflow_parent_tags(parent: str) -> dict[str, str]:
+    return {"mlflow.parentRunId": parent, **sweep_job_tags()}
+
+
+def _log_config(tracker: Tracker, cfg: RunnerConfig, target: Target) -> None:
+    facts, layout = target.facts, target.layout
+    as_dict = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    tracker.log_params(as_dict)
+    tracker.log_params(
+        {
+            "resolved.architecture": layout.architecture,
+            "resolved.layers_path": layout.layers,
+            "resolved.capture_ids_vllm": list(facts.capture_ids),
+            "resolved.aux_layers_vllm": list(facts.aux_layers),
+            "resolved.capture_layers_output_of": [i - 1 for i in facts.capture_ids],
+            "resolved.num_layers": facts.num_layers,
+            "resolved.hidden_size": facts.hidden_size,
+            "resolved.vocab_size": facts.vocab_size,
+        }
+    )
+    tracker.log_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), "config/resolved.yaml")
+
+
+def _log_outputs(tracker: Tracker, cfg: RunnerConfig, r: StageResult) -> None:
+    """The files each stage declares (`Stage.logged`), copied or, if large, linked; its tables
+    and figures (`Stage.tables`, `Stage.figures`) as MLflow tables and figures."""
+    tracker.set_tags({f"path.{r.name}": str(r.path)})
+    for rel, folder in r.stage.logged.items():
+        path = r.path / rel
+        if path.exists():
+            tracker.log_or_link(path, folder, cfg.tracking.log_checkpoint_max_mb)
+    try:
+        for name, rows in (r.stage.tables(r.metrics, r.path) if r.stage.tables else {}).items():
+            tracker.log_table(rows, name)
+        for name, fig in (r.stage.figures(r.metrics, r.path) if r.stage.figures else {}).items():
+            tracker.log_figure(fig, name)
+    except Exception as exc:  # a figure is a view of the results: never a reason to fail
+        log.warning(
+            "[%s] could not log its tables or figures: %s: %s", r.name, type(exc).__name__, exc
+        )
+
+
+def _log_comparison(tracker: Tracker, cfg: RunnerConfig, results: dict[str, StageResult]) -> None:
+    """Each stage's sweep columns (`Stage.columns`, from the run's MLflow metrics as logged,
+    curves included), the column that ranks the jobs, and the stages' results rows."""
+    metrics = tracker.metrics()
+    row: dict[str, float | None] = {}
+    plotted: list[str] = []
+    objective: str | None = None
+    series: list[str] = []
+    found: list[dict[str, Any]] = []
+    for r in results.values():
+        stage = r.stage
+        if stage.columns is not None:
+            prefix = f"{stage.name}/"
+            mine = {k[len(prefix) :]: v for k, v in metrics.items() if k.startswith(prefix)}
+            for other in stage.also_reads:
+                name = other.rstrip("/") + "_"
+                mine.update(
+                    {name + k[len(other) :]: v for k, v in metrics.items() if k.startswith(other)}
+                )
+            row.update(stage.columns(mine))
+        if stage.plotted and stage.objective:
+            objective = stage.plotted
+            plotted.insert(0, stage.plotted)  # the objective's column first: it ranks the jobs
+        elif stage.plotted:
+            plotted.append(stage.plotted)
+        series += [s for s in stage.series if s not in series]
+        if stage.results is not None:
+            found += [{"stage": r.name, **x} for x in stage.results(r.metrics, cfg)]
+    tracker.set_tags(
+        {
+            "smoke_test": str(cfg.run.smoke_test).lower(),
+            COLUMNS_TAG: json.dumps(row),
+            OBJECTIVE_TAG: objective or "",
+            PLOTTED_TAG: json.dumps(plotted),
+            SERIES_TAG: json.dumps(series),
+        }
+    )
+    tracker.log_text(json.dumps(found, indent=1), RESULTS_FILE)
+
+
+def _end_failed(tracker: Tracker, status: str) -> None:
+    """Close the run FAILED or KILLED without letting a tracking error hide the stage's own
+    error (the caller re-raises it); a run left RUNNING is reconciled by the next run."""
+    try:
+        tracker.end(status)
+    except Exception as exc:
+        log.error(
+            "could not mark MLflow run %s %s in %s (%s: %s); the next run on this store marks it",
+            tracker.run_id,
+            status,
+            tracker.uri,
+            type(exc).__name__,
+            str(exc)[:300],
+        )
+
+
+def _objective(results: dict[str, StageResult]) -> float | None:
+    for r in results.values():
+        if r.stage.objective is not None and r.stage.objective in r.metrics:
+            return float(r.metrics[r.stage.objective])
+    return None
+
+
+def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> tuple[str, str]:
+    """The end-of-run summary for the console (the stages, then what they found), and the run's
+    description in MLflow (what they found first: the page shows its first lines)."""
+    table = [
+        f"  {r.name:<9} {r.status:<8} {r.seconds:7.1f} s  {r.path}" for r in result.results.values()
+    ]
+    found, key = [], []
+    for r in result.results.values():
+        if r.stage.summary is not None:
+            lines = [f"  {line}" for line in r.stage.summary(r.metrics, r.path, cfg)]
+            # The stage that holds the run's objective (evaluate) heads the description.
+            (key if r.stage.objective else found).extend(lines)
+    # Where the logs ended up (while a stage runs they are in its work folder, removed after).
+    logs = [str(r.path / "logs") for r in result.results.values() if (r.path / "logs").is_dir()]
+    if logs:
+        found.append(f"  logs: {', '.join(logs)}")
+    note = library_note(_WARNINGS_AT_START, [h.baseFilename for h in _job_log_handlers()])
+    if note:
+        found.append(f"  {note}")
+    head = f"==== eagle3 runner: done in {result.seconds:.1f} s ===="
+    if cfg.run.smoke_test:
+        key.insert(
+            0,
+            "  SMOKE TEST (run.smoke_test, e.g. preset=quick): every stage works here; the "
+            "figures are too small to judge a draft by",
+        )
+    console = "\n".join(
+        ["", head, *table, *found, *key, f"  MLflow run {result.run_id}: {tracker.ui_command()}"]
+    )
+    description = "\n".join([head, *(x[2:] for x in [*key, *found]), "", "stages:", *table])
+    return console, description
+
+
+def _record_failed_sweep_job(node: DictConfig | RunnerConfig, exc: Exception) -> None:
+    """A sweep job that failed before its MLflow run started still shows as a FAILED child."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    import mlflow  # seconds to import; only a failed sweep job gets here
+
+    client = mlflow.MlflowClient(tracking_uri(node.tracking.uri, _output_root(node)))
+    exp = client.get_run(parent).info.experiment_id
+    tags = {**mlflow_parent_tags(parent), "error": f"{type(exc).__name__}: {exc}"[:5000]}
+    run = client.create_run(exp, tags=tags)
+    client.set_terminated(run.info.run_id, status="FAILED")

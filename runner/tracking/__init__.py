@@ -1,0 +1,5 @@
+"""MLflow: one job's run (`runs`), a sweep's parent run and its comparison (`sweep`), what a run
+records for tools outside it (`job_tags`), and the recipes table over seeds (`recipes`).
+
+May import: runner.core, runner.serving (a sweep stops its shared servers), runner.integrations.
+"""

@@ -1,0 +1,428 @@
+"""MLflow tracking for one runner job: the runner owns the run, stages log into it.
+
+Default store: `sqlite:///<output_root>/mlflow.db` (absolute), artifacts in
+`<output_root>/mlartifacts`; `tracking.uri` or MLFLOW_TRACKING_URI points elsewhere.
+speculators' own MLflow logger (`--logger mlflow`) finds the active run and writes its
+training metrics into it.
+
+Browse with the command `Tracker.ui_command()` returns, e.g.
+`mlflow ui --backend-store-uri sqlite:////abs/outputs/mlflow.db`, then the run's page it names,
+in MLflow's model-training view (the experiment is tagged as model development).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from runner.core.errors import ConfigError, StageError
+from runner.core.layout import RunLayout
+from runner.core.nested import flatten
+from runner.core.schema import TrackingConfig
+
+log = logging.getLogger(__name__)
+# MLflow 3's UI opens an experiment in its GenAI view unless the experiment says it holds model
+# training (the experiment kind its UI reads), and the address can ask for the training view.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+UI_VIEW = "workflowType=machine_learning"
+
+# The user's own MLFLOW_TRACKING_URI, read before mlflow.set_tracking_uri (which exports the URI
+# it is given to the environment) could make one job's store look like the user's choice to the
+# next.
+_USER_URI = os.environ.get("MLFLOW_TRACKING_URI")
+
+# MLflow limits: 6000 characters per param value, 100 params per batch call.
+_PARAM_MAX = 6000
+_BATCH = 100
+
+
+def tracking_uri(configured: str | None, output_root: Path) -> str:
+    if configured:
+        return configured
+    if _USER_URI:
+        return _USER_URI
+    return f"sqlite:///{RunLayout(output_root).mlflow_db.resolve()}"
+
+
+def process_start(pid: int) -> str:
+    """When `pid` started (clock ticks since boot, /proc): with the pid, it names one process,
+    even after the pid is reused."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def process_tags() -> dict[str, str]:
+    """Who owns a run: a later run reconciles it if this process dies without closing it."""
+    pid = os.getpid()
+    return {
+        "runner.host": socket.gethostname(),
+        "runner.pid": str(pid),
+        "runner.pid_start": process_start(pid),
+    }
+
+
+def _alive(pid: str | None, started: str | None) -> bool:
+    """Whether the process that owns a run still runs (a reused pid has another start time)."""
+    if not pid or not pid.isdigit():
+        return True  # not the runner's own run: leave it alone
+    now = process_start(int(pid))
+    return now != "" and (not started or now == started)
+
+
+@contextlib.contextmanager
+def _sqlite_lock(uri: str) -> Iterator[None]:
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri[len("sqlite:///") :])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    path = db.with_name(db.name + ".lock")
+    lock = FileLock(str(path))
+    with lock:
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()  # while held: a waiter then opens a fresh one (filelock checks)
+
+
+# The schemes MLflow's tracking client serves; a database scheme also needs its driver.
+TRACKING_SCHEMES = ("http", "https", "sqlite", "file", "", "databricks", "databricks-uc")
+DATABASE_SCHEMES = ("postgresql", "mysql", "mssql")
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def check_store(uri: str, timeout_s: float, experiment: str | None = None) -> str | None:
+    """Why the MLflow store at `uri` cannot be used, or None. An HTTP server must answer its
+    /health endpoint within `timeout_s` (MLflow's own client retries for minutes); a SQLite or
+    file store's folder must be writable, an existing SQLite file must be a database, and
+    `experiment` must not be deleted there; a database URI needs its driver installed; a scheme
+    MLflow cannot track to is refused."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    try:
+        parsed = urllib.parse.urlparse(uri)
+    except ValueError as exc:
+        return f"not a valid URI ({exc})"
+    scheme = parsed.scheme.split("+", 1)[0]
+    if scheme in DATABASE_SCHEMES:
+        return _database_driver(uri)
+    if scheme not in TRACKING_SCHEMES:
+        return (
+            f"MLflow cannot track to a {parsed.scheme!r} URI; use http(s)://host:port, "
+            "sqlite:////path/mlflow.db, a file folder, or a postgresql/mysql/mssql database"
+        )
+    if parsed.scheme in ("http", "https"):
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403):
+                return f"the server refused the credentials (HTTP {exc.code})"
+            return f"no MLflow server there: HTTP {exc.code} on /health"
+        except (OSError, ValueError) as exc:  # refused, unresolvable, timed out
+            reason = getattr(exc, "reason", exc)
+            return f"unreachable within {timeout_s:g} s (tracking.connect_timeout_s): {reason}"
+        return None
+    if parsed.scheme in ("sqlite", "file", ""):
+        # sqlite:////abs/mlflow.db -> /abs/mlflow.db; sqlite:///rel.db -> rel.db (relative)
+        sqlite = parsed.scheme == "sqlite"
+        path = Path(uri[len("sqlite:///") :]) if sqlite else Path(parsed.path)
+        if sqlite and path.is_file():
+            problem = _sqlite_store(path, experiment)
+            if problem:
+                return problem
+        folder = path.parent if sqlite else path
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return f"{folder} is not writable by this user"
+    return None
+
+
+def _database_driver(uri: str) -> str | None:
+    """A database store needs SQLAlchemy's dialect and its driver here."""
+    from sqlalchemy.engine import make_url  # MLflow's own dependency
+
+    try:
+        dialect = make_url(uri).get_dialect()
+        (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()  # imports the driver
+    except Exception as exc:  # ArgumentError, NoSuchModuleError, ModuleNotFoundError
+        return (
+            f"this environment cannot open that database ({type(exc).__name__}: {exc}); "
+            "install its driver (e.g. psycopg2-binary for postgresql, pymysql for mysql)"
+        )
+    return None
+
+
+def _sqlite_store(path: Path, experiment: str | None) -> str | None:
+    """An existing SQLite store: a database, where the experiment is not deleted."""
+    import sqlite3
+
+    try:
+        with open(path, "rb") as fh:
+            header = fh.read(len(SQLITE_HEADER))
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    if header and header != SQLITE_HEADER:
+        return f"{path} is not an SQLite database (MLflow's store); move it away or pick another"
+    if not header or experiment is None:
+        return None
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            row = db.execute(
+                "SELECT experiment_id, lifecycle_stage FROM experiments WHERE name = ?",
+                (experiment,),
+            ).fetchone()
+    except sqlite3.Error:
+        return None  # an empty or older store: MLflow creates or migrates it
+    if row and row[1] == "deleted":
+        return (
+            f"experiment {experiment!r} is deleted in {path} (it stays until purged, and its name "
+            f"with it): restore it (MLFLOW_TRACKING_URI=sqlite:///{path} mlflow experiments "
+            f"restore --experiment-id {row[0]}) or set tracking.experiment to another name"
+        )
+    return None
+
+
+def missing_store(uri: str) -> str | None:
+    """For a read-only command (report, publish): why the store at `uri` is not there (a SQLite
+    file that does not exist: opening it would create an empty one), or None."""
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        return (
+            f"no MLflow store at {uri[len('sqlite:///') :]}; run from the folder that holds "
+            "outputs/, or pass --output-root DIR or --tracking-uri URI"
+        )
+    return None
+
+
+class Tracker:
+    def __init__(self, tracking_cfg: TrackingConfig, output_root: Path):
+        import mlflow  # seconds to import; only runs that track need it
+
+        self.mlflow = mlflow
+        self.uri = tracking_uri(tracking_cfg.uri, output_root)
+        mlflow.set_tracking_uri(self.uri)
+        # speculators logs every training step; written synchronously to SQLite that cost ~5% of
+        # CPU training throughput (benchmarks/train_bench.py). Queue them; end_run flushes.
+        mlflow.config.enable_async_logging(True)
+        # speculators' MLflow logger reads the experiment from this variable when it has to
+        # start a run itself; the runner always has one active, but keep them consistent.
+        os.environ["MLFLOW_EXPERIMENT_NAME"] = tracking_cfg.experiment
+        self.run_id: str | None = None
+        try:
+            # Two first runs on a fresh root would both create and migrate the SQLite schema
+            # (and could leave it half-migrated): one at a time.
+            with _sqlite_lock(self.uri):
+                self._follow_moved_root(output_root)
+                self.experiment_id = self._experiment(tracking_cfg.experiment, output_root)
+        except Exception as exc:  # locked, unreachable, corrupt: say which store
+            raise ConfigError(
+                "tracking.uri", f"the MLflow store {self.uri} failed: {type(exc).__name__}: {exc}"
+            ) from None
+        self._reconcile()
+
+    def _follow_moved_root(self, output_root: Path) -> None:
+        """The root's own store, copied or moved here from another root, still names the old
+        root's folders: point them here, so that this root never writes into the other."""
+        from runner.integrations.mlflow_sqlite import repoint
+
+        db = RunLayout(output_root).mlflow_db.resolve()
+        if self.uri != f"sqlite:///{db}" or not db.is_file():
+            return
+        old = repoint(db, output_root)
+        if old is not None:
+            log.warning(
+                "this output root's MLflow store was made in %s (the root was copied or moved); "
+                "its runs' artifact folders and stage paths now point here, %s",
+                old,
+                output_root,
+            )
+
+    def _experiment(self, name: str, output_root: Path) -> str:
+        exp = self.mlflow.get_experiment_by_name(name)
+        if exp is None:
+            artifact_location = None
+            if self.uri.startswith("sqlite:"):
+                artifact_location = RunLayout(output_root).mlflow_artifacts.resolve().as_uri()
+            exp_id = self.mlflow.create_experiment(
+                name, artifact_location=artifact_location, tags=EXPERIMENT_TAGS
+            )
+        else:
+            exp_id = exp.experiment_id
+            if any(exp.tags.get(k) != v for k, v in EXPERIMENT_TAGS.items()):
+                client = self.mlflow.MlflowClient(self.uri)  # an experiment from before the tag
+                for k, v in EXPERIMENT_TAGS.items():
+                    client.set_experiment_tag(exp_id, k, v)
+        return exp_id
+
+    def _reconcile(self) -> None:
+        """Runs of this experiment left RUNNING by a runner on this host that no longer lives
+        (killed with -9, or its end could not be written) are marked FAILED, with a note."""
+        host = socket.gethostname()
+        try:
+            stale = self.mlflow.MlflowClient(self.uri).search_runs(
+                [self.experiment_id],
+                filter_string=f"attributes.status = 'RUNNING' and tags.`runner.host` = '{host}'",
+                max_results=200,
+            )
+        except Exception as exc:  # reconciling is housekeeping: never a reason to stop
+            log.warning("could not look for stale runs in %s: %s", self.uri, exc)
+            return
+        client = self.mlflow.MlflowClient(self.uri)
+        for run in stale:
+            tags = run.data.tags
+            if _alive(tags.get("runner.pid"), tags.get("runner.pid_start")):
+                continue
+            when = time.strftime("%Y-%m-%d %H:%M:%S")
+            note = (
+                f"the runner (pid {tags.get('runner.pid')} on {host}) ended without closing this "
+                f"run; marked FAILED by a later run at {when}"
+            )
+            with contextlib.suppress(Exception):
+                client.set_tag(run.info.run_id, "runner.note", note)
+                client.set_terminated(run.info.run_id, status="FAILED")
+                log.warning("MLflow run %s: %s", run.info.run_id, note)
+
+    def start(self, run_name: str, tags: dict[str, str]) -> str:
+        run = self.mlflow.start_run(experiment_id=self.experiment_id, run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
+        return self.run_id
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.mlflow.active_run() is not None:
+            self.mlflow.end_run(status=status)
+        # Leave the environment as the user had it (child processes of later jobs inherit it).
+        if _USER_URI is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = _USER_URI
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        items = [(k, str(v)[:_PARAM_MAX]) for k, v in flatten(params).items()]
+        for i in range(0, len(items), _BATCH):
+            self.mlflow.log_params(dict(items[i : i + _BATCH]))
+
+    def log_metrics(
+        self, metrics: Mapping[str, Any], prefix: str = "", step: int | None = None
+    ) -> None:
+        clean = {}
+        for k, v in flatten(metrics).items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if math.isfinite(v):
+                clean[f"{prefix}{k}"] = float(v)
+        if clean:
+            self.mlflow.log_metrics(clean, step=step)
+
+    def replay_curves(self, path: Path) -> None:
+        """Step records ({"step": n, "train/loss": x, ...} per line) logged again as the series
+        they were, for a run that reuses the artifact that holds them."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = []
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            step = int(record.pop("step", None) or 0)
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    batch.append(Metric(k, float(v), now, step))
+        client = self.mlflow.MlflowClient(self.uri)
+        for i in range(0, len(batch), 1000):
+            client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+
+    def metrics(self) -> dict[str, float]:
+        """The run's metrics as MLflow holds them (the latest value of each), once everything
+        queued is written: logging is asynchronous (see __init__), and a read before the queue
+        drains misses the newest metrics."""
+        self.mlflow.flush_async_logging()
+        return dict(self.mlflow.MlflowClient(self.uri).get_run(self.run_id).data.metrics)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        self.mlflow.set_tags({k: str(v)[:5000] for k, v in tags.items()})
+
+    @contextlib.contextmanager
+    def _writing(self, what: str) -> Iterator[None]:
+        """An OS error while MLflow copies into the run's artifact folder (a full disk, a
+        read-only or foreign folder) ends the run with one line that names the folder."""
+        try:
+            yield
+        except OSError as exc:
+            try:
+                where = self.mlflow.get_artifact_uri()
+            except Exception:
+                where = "the run's artifact folder"
+            raise StageError(
+                f"MLflow could not write {what} into {where}: {exc.strerror or exc}. Free space "
+                "or fix the permissions there, or point tracking.uri elsewhere "
+                "(tracking.log_checkpoint_max_mb limits what is copied)"
+            ) from None
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        with self._writing(path.name):
+            if path.is_dir():
+                self.mlflow.log_artifacts(str(path), artifact_path=artifact_path)
+            else:
+                self.mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    def log_or_link(self, path: Path, artifact_path: str, max_mb: float) -> None:
+        """Copy a file or folder into the run; above `max_mb` (tracking.log_checkpoint_max_mb)
+        record its path as a tag instead, so a large checkpoint is not duplicated."""
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        size_mb = sum(f.stat().st_size for f in files) / 2**20
+        if size_mb <= max_mb:
+            self.log_artifact(path, artifact_path=artifact_path)
+            return
+        self.set_tags({f"linked.{artifact_path}/{path.name}": str(path)})
+        log.info(
+            "%s is %.0f MB > tracking.log_checkpoint_max_mb; linked, not copied", path, size_mb
+        )
+
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        data = {c: [r.get(c) for r in rows] for c in columns}
+        with self._writing(artifact_file):
+            self.mlflow.log_table(data=data, artifact_file=artifact_file)
+
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        import matplotlib.pyplot as plt
+
+        try:
+            with self._writing(artifact_file):
+                self.mlflow.log_figure(figure, artifact_file)
+        finally:
+            plt.close(figure)
+
+    def set_description(self, text: str) -> None:
+        """The run's description (markdown), shown at the top of its page in the MLflow UI."""
+        self.mlflow.set_tag("mlflow.note.content", text)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        with self._writing(artifact_file):
+            self.mlflow.log_text(text, artifact_file)
+
+    def ui_command(self) -> str:
+        return ui_command(self.uri, self.experiment_id, self.run_id)
+
+
+def ui_command(uri: str, experiment_id: str | None, run_id: str | None) -> str:
+    """How to see a run: the UI command, then the run's page in MLflow's model-training view
+    (the `workflowType` the UI reads from the address; it opens in its GenAI view otherwise)."""
+    page = f"#/experiments/{experiment_id}/runs/{run_id}?{UI_VIEW}"
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri.rstrip('/')}/{page}"
+    return f"mlflow ui --backend-store-uri {uri}, then open http://127.0.0.1:5000/{page}"

@@ -1,0 +1,584 @@
+"""Stage `train`: an EAGLE-3 draft trained by speculators' own trainer on the extracted files.
+
+Run alone: `python -m runner run.stages=[train]` (needs prepare, extract and vocab in the store).
+Turns `cfg.train` into speculators' own train settings (runner/integrations/
+speculators_settings.py: the fields its flags set), pointing them at the prepared dataset, the
+hidden-state folder and the vocab mapping. One GPU, or a CPU, trains in
+this process (`runner.integrations.speculators.run_training`); more GPUs train under torchrun
+(`train.num_gpus`, default every GPU of `hardware`; `train.fsdp` shards), started as a managed
+child process (runner/processes/process.py) whose rank 0 logs into the runner's MLflow run.
+
+Interrupted training resumes: the work folder (checkpoints, metric records, attempts) is keyed
+by the artifact key and kept until the stage succeeds; the same command continues from the
+latest checkpoint (`train.checkpoint_every` adds them within an epoch). SIGINT, SIGTERM and
+SIGUSR1 (Slurm's warning, through submitit) save a checkpoint at the next step boundary; the
+stage then fails, publishes nothing and prints the command that resumes. Publishes `draft/`:
+the checkpoint (config.json + model.safetensors in speculators' format, which vLLM serves with
+`speculative_config={"method": "eagle3", ...}`), `metrics.jsonl`, and the ranks' log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from runner.assets.target_facts import ModelFacts, target_hub_id
+from runner.core.errors import StageError
+from runner.core.interrupts import Interrupted
+from runner.core.schema import RunnerConfig
+from runner.core.store import fmt_bytes, free_bytes
+from runner.engine import costs
+from runner.engine.stage import EXTRACTION, Plan, PlanView, ServerNeed, Stage, StageContext
+from runner.integrations import SLOT_BACKEND
+from runner.integrations.speculators import (
+    ECHO_STEPS_ENV,
+    RESUME_ONLY,
+    TRAINING_STATE,
+    Refused,
+    best_checkpoint,
+    best_val,
+    chain_requeue,
+    command_line,
+    epoch_dirs,
+    fix_recorded_versions,
+    mask_token_id,
+    metric_records,
+    resolve_train_config,
+    run_training,
+    summarise,
+    validate_export,
+)
+from runner.integrations.speculators_settings import setting_key, speculators_settings
+from runner.processes.cluster import rendezvous
+from runner.processes.launch import resume_hint, run_ranks
+from runner.serving.hidden_states import server_args
+from runner.serving.vllm_server import quiet_http_logs
+from stages.train import nodes
+from stages.train.draft_check import Expected, check_draft
+from stages.train.draft_estimate import draft_params, plan_memory
+from stages.train.online import hidden_state_server, plan_online
+
+log = logging.getLogger("runner")
+# Settings that change how fast or how safely training runs, not what it produces (the number
+# of ranks does change it: it enters the key as "ranks").
+_NOT_IN_KEY = (
+    "name",
+    "num_workers",
+    "log_freq",
+    "num_gpus",
+    "cpu_processes",
+    "checkpoint_every",
+    "stop_timeout_s",
+    "echo_steps",
+)
+
+
+def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
+    t = dataclasses.asdict(cfg.train)
+    if not t["keep_epoch_drafts"]:
+        del t["keep_epoch_drafts"]  # named only when on: keys made before it stay valid
+    if t["sliding_window"] == 2048 and not t["full_attention_layers"]:
+        # speculators' own default, which every draft trained before these settings has.
+        del t["sliding_window"], t["full_attention_layers"]
+    # The draft vocab moved to the vocab section; the key reads it where it always stood.
+    t["draft_vocab_size"] = cfg.vocab.draft_vocab_size
+    return {
+        **{k: v for k, v in t.items() if k not in _NOT_IN_KEY},
+        "aux_layers": list(facts.aux_layers),
+        "device": cfg.hardware.device,
+        # Every rank of every node: the batches each sees depend on the world size.
+        "ranks": cfg.train_ranks() * cfg.hardware.num_nodes,
+    }
+
+
+def _read_json(path: Path, default: Any) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return default
+
+
+def _torchrun(
+    ctx: StageContext, settings: dict[str, Any], ranks: int, attempt: int
+) -> dict[str, Any]:
+    """speculators' trainer on `ranks` ranks under torchrun (runner/processes/launch.py), on this
+    node or,
+    with hardware.num_nodes > 1, on every node through a c10d rendezvous that the other nodes
+    join (stages/train/nodes.py); returns the outcome rank 0 wrote."""
+    work = ctx.scratch
+    slots = list(ctx.facts.train_slots)
+    device = ctx.cfg.hardware.device
+    env = {}
+    if ctx.tracker is not None and ctx.tracker.run_id:
+        # Rank 0's speculators logger attaches to the runner's run.
+        env.update(MLFLOW_RUN_ID=ctx.tracker.run_id, MLFLOW_TRACKING_URI=ctx.tracker.uri)
+    body = dict(settings=settings, slots=slots, work=str(work), device=device, env=env)
+    nnodes = ctx.cfg.hardware.num_nodes
+    rdzv = None
+    if nnodes > 1:
+        # A new id each attempt: a node never rejoins the rendezvous of one that failed.
+        rdzv = rendezvous(ctx.cfg, f"{work.name}-{attempt}")
+        request = nodes.open_request(work, body, rdzv, attempt)
+        log.info(
+            "[train] %d nodes x %d ranks, rendezvous at %s (hardware.rdzv_endpoint); the other "
+            "nodes join from %s",
+            nnodes,
+            ranks,
+            rdzv.endpoint,
+            request,
+        )
+    else:
+        request = work / nodes.REQUEST
+        request.write_text(json.dumps(body))
+    try:
+        code, _stopped_by, tail = run_ranks(
+            "runner.integrations.speculators_worker",
+            request,
+            ranks,
+            work / "logs" / "train.log",
+            label="train",
+            stop_timeout_s=ctx.cfg.train.stop_timeout_s,
+            env=env,
+            echo=lambda line: "speculators.metrics" not in line,
+            rendezvous=rdzv.torchrun_args() if rdzv else None,
+        )
+    finally:
+        if rdzv is not None:
+            nodes.close_request(work)
+    outcome = _read_json(work / "outcome.json", None)
+    if outcome is None or (code != 0 and outcome.get("status") != "stopped"):
+        where = f" on {nnodes} nodes" if nnodes > 1 else ""
+        raise StageError(
+            f"training on {ranks * nnodes} ranks{where} failed (torchrun exit {code}); {tail}\n"
+            f"{resume_hint(work, ctx.rerun_command)}" + (" (on every node)" if nnodes > 1 else "")
+        )
+    return outcome
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    work = ctx.scratch
+    save_path = work / "checkpoints"
+    history = _read_json(work / "attempts.json", {"attempts": 0, "resumes": 0, "steps_redone": 0})
+    epochs = epoch_dirs(save_path)
+    resuming = bool(epochs)
+    reached_before = _read_json(work / "progress.json", {}).get("global_step", 0)
+    # Counted now, not at the end: an attempt that is killed again still counts.
+    history["attempts"] += 1
+    if resuming:
+        state = _read_json(epochs[-1] / TRAINING_STATE, {})
+        history["resumes"] += 1
+        history["steps_redone"] += max(0, reached_before - state.get("global_step", 0))
+    (work / "attempts.json").write_text(json.dumps(history))
+    for stale in (work / "outcome.json", *work.glob("memory_rank*.json")):
+        stale.unlink(missing_ok=True)
+    # Read by the training call (and inherited by torchrun's ranks); the job restores the
+    # environment afterwards.
+    os.environ[ECHO_STEPS_ENV] = "1" if ctx.cfg.train.echo_steps else "0"
+    online = ctx.cfg.extract.mode == "online"
+    # Online, nothing is read from disk: an empty folder, so speculators fetches every sample.
+    states = work / "no_stored_states" if online else ctx.inputs["extract"].path / "hidden_states"
+    if online:
+        states.mkdir(exist_ok=True)
+    ranks = ctx.cfg.train_ranks()
+    mask = mask_token_id(ctx.facts.path, ctx.facts.vocab_size, ctx.cfg.model.trust_remote_code)
+    with hidden_state_server(ctx, server_args) as server:
+        settings = speculators_settings(
+            ctx.cfg,
+            ctx.facts,
+            data_path=ctx.inputs["prepare"].path / "dataset",
+            hidden_states=states,
+            vocab=ctx.inputs["vocab"].path,
+            save_path=save_path,
+            online=server.url if server is not None else None,
+        )
+        if ctx.tracker is not None:
+            settings["logger"] = "mlflow"
+        settings["mask_token_id"] = mask
+        ctx.manifest["speculators_settings"] = settings
+        ctx.manifest["speculators_command"] = command_line(settings)
+        if settings.get("hidden_states_backend") == SLOT_BACKEND:
+            ctx.manifest["slots"] = list(ctx.facts.train_slots)
+        if resuming:
+            log.info(
+                "[train] resuming from %s (an earlier run reached step %d)",
+                save_path,
+                reached_before,
+            )
+        t0 = time.time()
+        # Online, every fetched sample is an HTTP request that its client logs at INFO.
+        with quiet_http_logs() if online else contextlib.nullcontext():
+            if ranks == 1 and ctx.cfg.hardware.num_nodes == 1:
+                state = run_training(
+                    settings, ctx.facts.train_slots, work, device=ctx.cfg.hardware.device
+                )
+                outcome = _read_json(work / "outcome.json", {})
+                chain_requeue(state)
+            else:
+                outcome = _torchrun(ctx, settings, ranks, history["attempts"])
+        train_s = time.time() - t0
+    if outcome.get("status") != "finished":
+        name = outcome.get("signal") or "SIGTERM"  # None: another rank was signalled
+        raise Interrupted(
+            signal.Signals[name],
+            f"training was stopped by {name} at epoch {outcome.get('epoch')} step "
+            f"{outcome.get('local_step')} (global step {outcome.get('global_step')}) and saved a "
+            f"checkpoint. {resume_hint(ctx.scratch, ctx.rerun_command)}",
+        )
+    records = metric_records(work / "metrics.jsonl")
+    with open(ctx.out / "metrics.jsonl", "w") as fh:
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    ckpt = best_checkpoint(save_path)
+    draft = _publish_draft(ckpt, ctx.out / "draft", ctx)
+    checked = _check_export(ctx, settings, draft, records, online)
+    # Every epoch's draft (train.keep_epoch_drafts), for acceptance against tokens trained: the
+    # work folder with their checkpoints is deleted once the stage is published.
+    if ctx.cfg.train.keep_epoch_drafts:
+        kept = epoch_dirs(save_path)
+        for ep in kept:
+            _publish_draft(ep, ctx.out / "epochs" / ep.name, ctx)
+        ctx.manifest["epoch_drafts"] = [f"epochs/{ep.name}" for ep in kept]
+    for f in ("run.yaml", "train_command.txt"):
+        if (save_path / f).exists():
+            shutil.copy2(save_path / f, ctx.out / f)
+    fix_recorded_versions(ctx.out / "train_command.txt")
+    for name in ("train.log", "vllm_online.log"):
+        if (work / "logs" / name).is_file():
+            (ctx.out / "logs").mkdir(exist_ok=True)
+            shutil.copy2(work / "logs" / name, ctx.out / "logs" / name)
+    for f in ctx.out.iterdir():
+        if f.is_file():
+            f.chmod(0o644)  # speculators writes 0600: a draft's folder is shared
+    peaks = [_read_json(p, {}) for p in sorted(work.glob("memory_rank*.json"))]
+    memory = {
+        f"peak_gpu_{kind}_gib": max(p[kind] for p in peaks) / 2**30
+        for kind in ("allocated", "reserved")
+        if peaks and all(kind in p for p in peaks)
+    }
+    return {
+        **summarise(records),
+        **checked,
+        **memory,
+        "checkpoint_bytes": sum(f.stat().st_size for f in draft.iterdir()),
+        "ranks": ranks * ctx.cfg.hardware.num_nodes,
+        **({"nodes": ctx.cfg.hardware.num_nodes} if ctx.cfg.hardware.num_nodes > 1 else {}),
+        # This attempt's training alone (no server start): online against offline per epoch.
+        "train_s": train_s,
+        "seconds_per_epoch": train_s / ctx.cfg.train.epochs,
+        **({"server_start_s": ctx.manifest["served"]["start_s"]} if online else {}),
+        "resumes": history["resumes"],
+        "steps_redone": history["steps_redone"],
+    }
+
+
+# Validation accuracy of the reloaded draft may differ from training's by the bf16 rounding of
+# the saved weights; a broken export (wrong head, mapping or layers) drops it to near zero.
+EXPORT_ACC_TOLERANCE = 0.05
+
+
+def _check_export(
+    ctx: StageContext, settings: dict[str, Any], draft: Path, records: list, online: bool
+) -> dict[str, Any]:
+    """The export check (stages/train/draft_check.py) on the published draft folder, then
+    speculators' validation pass over it, reloaded, against training's own validation of that
+    epoch. Any problem fails the stage before the draft is published or served."""
+    t = ctx.cfg.train
+    expect = Expected(
+        draft_vocab_size=ctx.cfg.vocab.draft_vocab_size,
+        target_vocab_size=ctx.facts.vocab_size,
+        hidden_size=ctx.facts.hidden_size,
+        num_layers=t.num_layers,
+        sliding_window=t.sliding_window,
+        full_attention_layers=list(t.full_attention_layers),
+        aux_layers=list(ctx.facts.aux_layers),
+        capture_ids=list(ctx.facts.capture_ids),
+    )
+    report = check_draft(draft, ctx.inputs["vocab"].path, expect)
+    metrics = dict(report.metrics)
+    trained = best_val(records).get("full_acc_0_epoch")
+    if not report.problems and not online and trained is not None:
+        # (Online, the states came from a server that is gone: nothing stored to validate on.)
+        where = ctx.scratch / "export_check"
+        again = validate_export(
+            settings, ctx.facts.train_slots, draft, where, ctx.cfg.hardware.device
+        ).get("full_acc_0_epoch")
+        if again is not None:
+            metrics.update(export_full_acc_0=again, trained_full_acc_0=trained)
+            report.lines.append(
+                f"reloaded draft's step-0 validation accuracy {again:.3f}, training's {trained:.3f}"
+            )
+            if again < trained - EXPORT_ACC_TOLERANCE:
+                report.problems.append(
+                    f"the reloaded draft's step-0 validation accuracy {again:.3f} is below "
+                    f"training's {trained:.3f} by more than {EXPORT_ACC_TOLERANCE}"
+                )
+    ctx.manifest["export_check"] = {"lines": report.lines, "problems": report.problems}
+    if not report.problems:  # one line: the details are in the manifest
+        log.info(
+            "[train] export check passed: head, d2t/t2d = the vocab stage's, layer types, "
+            "capture ids%s",
+            f"; reloaded step-0 accuracy {metrics['export_full_acc_0']:.3f} (training "
+            f"{metrics['trained_full_acc_0']:.3f})"
+            if "export_full_acc_0" in metrics
+            else "",
+        )
+    if report.problems:
+        raise StageError(
+            f"the exported draft in {draft} fails its check (nothing is published): "
+            + "; ".join(report.problems)
+        )
+    return metrics
+
+
+def _publish_draft(ckpt: Path, draft: Path, ctx: StageContext) -> Path:
+    """A checkpoint's weights and config (not its optimizer and scheduler states, which are for
+    resuming) copied to `draft`, with the layer-id convention recorded in its config."""
+    draft.mkdir(parents=True)
+    for f in ckpt.iterdir():
+        if f.is_file() and not f.name.endswith(RESUME_ONLY):
+            shutil.copy2(f, draft / f.name)
+    fix_recorded_versions(draft / "train_command.txt")
+    # Record the layer-id convention in the draft's own config, beside speculators' fields.
+    conf_path = draft / "config.json"
+    conf = json.loads(conf_path.read_text())
+    hub = target_hub_id(ctx.cfg)
+    verifier = conf.get("speculators_config", {}).get("verifier", {})
+    if hub and verifier:
+        # A local path would tie the draft to this machine; the hub id loads anywhere.
+        verifier["name_or_path"] = hub
+    conf["eagle3_runner"] = {
+        "layer_id_convention": (
+            "vllm (id k = input of decoder layer k; n = final layer before norm)"
+        ),
+        "aux_layer_ids": list(ctx.facts.aux_layers),
+        "capture_ids": list(ctx.facts.capture_ids),
+        "target_num_layers": ctx.facts.num_layers,
+        "target_hub_id": hub,
+        "target_local_path": ctx.facts.path,
+    }
+    conf_path.write_text(json.dumps(conf, indent=2))
+    for f in draft.iterdir():
+        if f.is_file():
+            f.chmod(0o644)  # safetensors and speculators write 0600: a draft is shared
+    return draft
+
+
+def _check_with_speculators(p: Plan, view: PlanView) -> None:
+    """The settings this run will pass, resolved by the installed speculators' own TrainConfig
+    (paths are placeholders: only values are checked), before any stage runs."""
+    where = Path("/nonexistent/plan")
+    online = "http://127.0.0.1:8000/v1" if view.cfg.extract.mode == "online" else None
+    settings = speculators_settings(
+        view.cfg,
+        view.target.facts,
+        where / "data",
+        where / "hs",
+        where / "vocab",
+        where / "save",
+        online=online,
+    )
+    try:
+        resolve_train_config(settings, view.target.facts.train_slots)
+    except Refused as exc:
+        p.error(setting_key(view.cfg, exc.dest), f"speculators refuses it: {exc.message}")
+
+
+def cost(view: PlanView, nodes_: int) -> costs.Cost | None:
+    """Training's wall time and GPU-hours on `nodes_` boxes: the seconds outside the steps plus
+    tokens x epochs over (tokens/s a GPU x ranks x efficiency). The rate: this store's last
+    training of a draft of the same shape on this hardware, else runner/rates.yaml's row nearest
+    in hidden size (scaled by draft size when the shape differs: an estimate)."""
+    cfg = view.cfg
+    hidden, vocab = view.target.facts.hidden_size, cfg.vocab.draft_vocab_size
+    table = costs.rows("train")
+    if not table or not cfg.hardware.gpu_kind:
+        return None
+    row = min(
+        table,
+        key=lambda r: (abs(math.log(r["hidden"] / hidden)), r["gpu"] != cfg.hardware.gpu_kind),
+    )
+    art = costs.measured(view, "train")
+    m = art.manifest if art is not None else {}
+    if (
+        m.get("metrics", {}).get("tokens_per_s_median")
+        and m.get("model", {}).get("hidden_size") == hidden
+        and m.get("config", {}).get("draft_vocab_size") == vocab
+    ):
+        rate = float(m["metrics"]["tokens_per_s_median"]) / (m["config"].get("ranks") or 1)
+        source, est = f"measured by training {art.key} in this store", False
+    else:
+        got = costs.scaled(row, cfg.hardware.gpu_kind, float(row["tokens_per_s_per_gpu"]))
+        if got is None:
+            return None
+        rate, source, est = got
+        shape = _draft_work(row["hidden"], row["draft_vocab"]) / _draft_work(hidden, vocab)
+        if abs(shape - 1) > 0.01:
+            rate *= shape
+            source = (
+                f"estimate: scaled {shape:.2f}x by draft size from hidden {row['hidden']}, vocab "
+                f"{row['draft_vocab']} ({source})"
+            )
+            est = True
+    ranks = cfg.train_ranks() * nodes_
+    eff = costs.efficiency(ranks, float(row["efficiency_2"]))
+    tokens, _exact = costs.prepared_tokens(view, "prepare")
+    wall = float(row["fixed_s"]) + tokens * cfg.train.epochs / (rate * ranks * eff)
+    return costs.Cost(
+        "training",
+        wall,
+        wall * costs.box_gpus(cfg, nodes_) / 3600,
+        f"{cfg.train.epochs} epoch(s) x {tokens:,} tokens at {rate:,.0f} tok/s a GPU x {ranks} "
+        f"GPU(s) x {eff:.2f} scaling [{source}]",
+        est or ranks > 2,
+    )
+
+
+def _draft_work(hidden: int, vocab: int) -> float:
+    """A proxy of one draft token's work: the layer and fc (~16 h^2) and the head (h x V)."""
+    return 16 * hidden * hidden + hidden * vocab
+
+
+def plan(p: Plan, view: PlanView) -> None:
+    cfg, layout = view.cfg, view.target.layout
+    if view.actions.get("train") == "run":
+        _check_with_speculators(p, view)
+        if cfg.hardware.device == "cuda":
+            now, more = (
+                cost(view, n) for n in (cfg.hardware.num_nodes, cfg.hardware.num_nodes + 1)
+            )
+            if now and more:
+                p.add_cost("train", now, more)
+    t, h, vd = cfg.train, layout.hidden_size, cfg.vocab.draft_vocab_size
+    params = draft_params(cfg, view.target)
+    aux = len(view.target.facts.aux_layers)
+    p.numbers["draft_params"] = params
+    if t.num_layers > layout.num_layers:
+        p.error(
+            "train.num_layers",
+            f"a draft of {t.num_layers} layers is deeper than the target ({layout.num_layers}): "
+            "it would be slower than the target it drafts for (EAGLE-3 drafts have 1 to 2)",
+        )
+    if t.keep_epoch_drafts and view.actions.get("train") == "run":
+        # Each kept draft in bf16, next to the artifact's own and a resumable checkpoint.
+        need, free = (t.epochs + 2) * params * 2, free_bytes(view.output_root)
+        p.numbers["epoch_drafts_bytes"] = need
+        if free is not None and need > free:
+            p.error(
+                "train.keep_epoch_drafts",
+                f"{t.epochs} epochs' drafts need ~{fmt_bytes(need)} but {view.output_root} has "
+                f"{fmt_bytes(free)} free; keep fewer (fewer train.epochs) or set it false",
+            )
+    p.add(
+        "draft",
+        f"{t.num_layers} layer(s), fc {aux}x{h}->{h}, draft vocab {vd} of {layout.vocab_size}, "
+        f"~{params / 1e6:.0f}M params, {t.ttt_steps} TTT steps",
+    )
+    p.add("draft attention", attention_line(cfg))
+    seq = t.total_seq_len or cfg.data.max_seq_len
+    draft_logits, full_logits = seq * vd * 4, seq * layout.vocab_size * 4
+    p.numbers.update(teacher_logits_bytes=draft_logits, full_vocab_logits_bytes=full_logits)
+    p.add(
+        "teacher logits",
+        f"{seq} tokens x {vd} draft vocab x fp32 = {fmt_bytes(draft_logits)} per batch (full vocab "
+        f"would be {fmt_bytes(full_logits)}; {fmt_bytes(layout.vocab_size * 4)}/token)",
+    )
+    ranks, hw = cfg.train_ranks(), cfg.hardware
+    mode = "in this process" if ranks == 1 else f"torchrun, {'FSDP2' if t.fsdp else 'DDP'}"
+    every = (
+        f"every {t.checkpoint_every:g} epoch(s)" if t.checkpoint_every else "at each epoch's end"
+    )
+    what = "GPU(s)" if hw.device == "cuda" else "CPU process(es)"
+    p.add(
+        "training",
+        f"{ranks} {what} ({mode}; train.num_gpus, train.fsdp), checkpoints {every} "
+        "(train.checkpoint_every)"
+        + (
+            f"; every epoch's draft kept ({t.epochs} x the draft's size)"
+            if t.keep_epoch_drafts
+            else ""
+        ),
+    )
+    if cfg.extract.mode == "online":
+        plan_online(p, cfg)
+    if hw.device != "cuda":
+        return
+    plan_memory(p, cfg, view.target)
+
+
+def attention_line(cfg: RunnerConfig) -> str:
+    """The draft layers' attention in words (train.sliding_window, train.full_attention_layers),
+    and whether the window can bind at all: contexts no longer than it see everything."""
+    t = cfg.train
+    full = sorted(t.full_attention_layers)
+    window = [i for i in range(t.num_layers) if i not in full]
+    parts = []
+    if window:
+        layers = "every layer" if not full else f"layer(s) {window}"
+        parts.append(f"{layers}: sliding window of {t.sliding_window} tokens")
+    if full:
+        parts.append(f"layer(s) {full}: full attention")
+    longest = cfg.data.max_seq_len  # packed rows keep their conversations apart
+    note = ""
+    if window and t.sliding_window >= longest:
+        note = (
+            f" (the window covers training's {longest}-token rows: the same as full attention "
+            "there; it binds on longer served contexts)"
+        )
+    return "; ".join(parts) + note + " (train.sliding_window, train.full_attention_layers)"
+
+
+def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:
+    lines = [f"draft checkpoint: {path / 'draft'}"]
+    if cfg.train.keep_epoch_drafts and (path / "epochs").is_dir():
+        n = len(list((path / "epochs").iterdir()))
+        lines.append(
+            f"every epoch's draft ({n}): {path / 'epochs'}/<n> (eval.draft=... to measure)"
+        )
+    return lines
+
+
+def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
+    # speculators' own curves: train/loss (its last value) and val/loss_epoch.
+    return {"train_loss": metrics.get("loss"), "val_loss": metrics.get("val_loss_epoch")}
+
+
+STAGE = Stage(
+    name="train",
+    key_config=key_config,
+    run=run,
+    upstream=("prepare", "extract", "vocab"),
+    version="1",
+    libraries={"speculators": ("speculators",), "torch": ("torch",)},
+    identities=("tokenizer_id", "weights_id"),
+    logged={"draft": "draft", "metrics.jsonl": "train", "logs": "train/logs"},
+    summary=summary,
+    columns=columns,
+    also_reads=("val/",),
+    # Without an evaluation, a sweep plots and compares the validation loss.
+    plotted="val_loss",
+    # speculators logs train/* and val/* while training; the manifest's final_*, val_* and
+    # first_loss repeat their last values.
+    curves="metrics.jsonl",
+    curve_copies=("final_", "val_", "first_loss"),
+    plan=plan,
+    # Online, training fetches states from a vLLM server (extract.mode=online).
+    server=lambda cfg: (
+        ServerNeed(EXTRACTION, cfg.data.max_seq_len + 1, "data.max_seq_len")
+        if cfg.extract.mode == "online"
+        else None
+    ),
+    # The work folder (checkpoints) survives a failed or interrupted run: the next one resumes.
+    resumable=True,
+    # On several nodes, each node after the first joins this stage's torchrun (nodes.py).
+    follow=nodes.follow,
+)
