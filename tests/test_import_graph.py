@@ -4,7 +4,8 @@ rooms below it, the engine never imports or names a stage, and no stage imports 
 The engine (runner/) runs whatever stages it is handed; the one place that knows both is the
 composition root, runner/__main__.py, which builds the registry (stages/__init__.py) and passes
 it in. A helper two stages share lives in a room of runner/ below both. Read from the source with
-ast, so a lazy import inside a function counts as much as one at the top (it is an arrow all the same, and cycles hidden in functions are still cycles).
+ast, so a lazy import inside a function counts as much as one at the top (it is an arrow all
+the same, and cycles hidden in functions are still cycles).
 Run `python -m tests.test_import_graph` to print the drawing's circles.
 """
 
