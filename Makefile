@@ -5,7 +5,7 @@ PY := .venv/bin/python
 # Prints "<step> took N s" after a step, so that CI's log splits its time by part.
 timed = start=$$(date +%s); $(1); status=$$?; echo "== $(2) took $$(( $$(date +%s) - start )) s"; exit $$status
 
-.PHONY: help setup run test test-fast test-slow test-gpu lint fmt wheelhouse gpu-bundle
+.PHONY: help setup run test test-fast test-slow test-gpu lint fmt wheelhouse
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -44,17 +44,9 @@ test: setup lint test-fast test-slow  ## Everything CI runs: lint, fast tests, t
 test-gpu:  ## The GPU lane (tests marked gpu) on a CUDA machine set up by make setup (docs/gpu.md)
 	@$(call timed,$(PY) -m pytest -q -s -m gpu,gpu lane)
 
-wheelhouse: setup  ## Wheels for the H200 machines, which have no network: .whl/ (scripts/wheelhouse.py)
-	$(PY) scripts/wheelhouse.py build .whl --python-version 3.12 --have scripts/targets/h200.txt
-
-# vLLM's CUDA build in the tested set, the project's needs and the packaged assets, cut into
-# pieces of <= 60 MiB for a GPU machine without network (scripts/gpu_lane.sh there, docs/gpu.md).
-GPU_WHEELS := .gpu/wheels
-gpu-bundle: setup  ## The GPU lane's wheels for an H200 without network, in checked pieces: .gpu/pieces
-	$(PY) scripts/wheelhouse.py build $(GPU_WHEELS) --python-version 3.12 \
-	  --have scripts/targets/h200.txt --extra gpu --constraints constraints/h200-py312-cu130.txt \
-	  --strip vllm:vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-	  --implementation cp --platform manylinux_2_28_x86_64 --platform any -d $(GPU_WHEELS) \
-	  -r constraints/assets.txt
-	$(PY) scripts/wheelhouse.py bundle $(GPU_WHEELS) .gpu/pieces
+# A GPU machine without network: the tested GPU set (vLLM's CUDA build, constraints/) and the
+# project as wheels for Python 3.12 on x86_64, installed there with
+# `python3 scripts/wheelhouse.py install .whl` (docs/install.md).
+wheelhouse: setup  ## Wheels of the tested GPU set for a machine without network: .whl/ (docs/install.md)
+	$(PY) scripts/wheelhouse.py build .whl --python-version 3.12 --extra gpu \
+	  --constraints constraints/h200-py312-cu130.txt

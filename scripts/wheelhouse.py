@@ -16,14 +16,16 @@ Install, there (no network):
 
     python3 scripts/wheelhouse.py install wheelhouse/ [--target DIR]
 
-Carry, when a transfer takes at most 64 MiB at a time (this workplace's GPU machines): `bundle`
-cuts a folder into pieces of at most 60 MiB with their checksums, `unbundle` joins and checks
-them on the other side (`make gpu-bundle`, docs/gpu.md).
+Carry, over a link that takes files of a limited size (a transfer service, removable media):
+`bundle` cuts a folder into pieces of at most `--piece-mib` MiB (default 60) with their
+checksums, `missing` says which pieces have not arrived yet, and `unbundle` joins and checks them
+on the other side (docs/install.md).
 
-    python scripts/wheelhouse.py bundle wheelhouse/ pieces/
+    python scripts/wheelhouse.py bundle wheelhouse/ pieces/ --piece-mib 500
     python3 scripts/wheelhouse.py unbundle pieces/ wheelhouse/
 
-`make wheelhouse` builds one for the H200 machines of this workplace (docs/benchmarks.md).
+`make wheelhouse` builds one for a Python 3.12 GPU machine (`make gpu-bundle`: the tested GPU set,
+in pieces).
 """
 
 from __future__ import annotations
@@ -217,18 +219,22 @@ def strip_member(wheel: Path, member: str) -> None:
     print(f"  stripped {member} from {wheel.name} ({wheel.stat().st_size / 2**20:.0f} MiB)")
 
 
-# A piece of a bundle: one device call carries at most 64 MiB with the working tree.
+# A piece of a bundle, unless --piece-mib says otherwise.
 PIECE_BYTES = 60 * 2**20
 
 
 def bundle(args: argparse.Namespace) -> int:
     """The files of `src` (a wheelhouse, plus anything beside it) as one tar cut into pieces of
-    at most 60 MiB, with SHA256SUMS of the pieces and of the whole: pieces travel one per call to
-    a machine with no network, `unbundle` joins and checks them there."""
+    at most --piece-mib MiB, with SHA256SUMS of the pieces and of the whole: the pieces travel to
+    a machine with no network, one at a time if need be; `unbundle` joins and checks them there."""
     import hashlib
     import tarfile
 
     src, out = Path(args.src), Path(args.out)
+    mib = getattr(args, "piece_mib", None)
+    size = int(mib * 2**20) if mib is not None else PIECE_BYTES
+    if size <= 0:
+        sys.exit("--piece-mib: give a size above 0")
     out.mkdir(parents=True, exist_ok=True)
     whole = out / "bundle.tar"
     with tarfile.open(whole, "w") as tar:
@@ -238,7 +244,7 @@ def bundle(args: argparse.Namespace) -> int:
     sums = []
     digest = hashlib.sha256()
     with open(whole, "rb") as fh:
-        for i, chunk in enumerate(iter(lambda: fh.read(PIECE_BYTES), b"")):
+        for i, chunk in enumerate(iter(lambda: fh.read(size), b"")):
             digest.update(chunk)
             piece = out / f"piece{i:02d}"
             piece.write_bytes(chunk)
@@ -246,7 +252,7 @@ def bundle(args: argparse.Namespace) -> int:
     sums.append(f"{digest.hexdigest()}  bundle.tar")
     whole.unlink()
     (out / "SHA256SUMS").write_text("\n".join(sums) + "\n")
-    print(f"{len(sums) - 1} pieces of <= {PIECE_BYTES >> 20} MiB in {out}")
+    print(f"{len(sums) - 1} pieces of <= {size >> 20} MiB in {out}")
     return 0
 
 
@@ -336,9 +342,10 @@ def main() -> int:
     b.add_argument(
         "--strip", action="append", default=[], help="NAME:MEMBER to remove from a wheel"
     )
-    bb = sub.add_parser("bundle", help="cut a folder into checked pieces of <= 60 MiB")
+    bb = sub.add_parser("bundle", help="cut a folder into checked pieces of <= --piece-mib MiB")
     bb.add_argument("src")
     bb.add_argument("out")
+    bb.add_argument("--piece-mib", type=float, default=None, help="largest piece, MiB (60)")
     ub = sub.add_parser("unbundle", help="join and check pieces, unpack them")
     ub.add_argument("pieces")
     ub.add_argument("out")

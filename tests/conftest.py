@@ -48,7 +48,7 @@ def run_job(node, stages: tuple[Stage, ...] = REGISTRY) -> job.JobResult:
 
 def gpu_lane_overrides() -> list[str]:
     """Overrides the GPU lane adds to every GPU run (EAGLE3_GPU_LANE_OVERRIDES, space-separated):
-    scripts/gpu_lane.sh gives each vLLM server a share of the GPU's memory so that the lane's
+    dev/gpu_lane.sh gives each vLLM server a share of the GPU's memory so that the lane's
     parts that measure no speed run side by side on one GPU."""
     return os.environ.get("EAGLE3_GPU_LANE_OVERRIDES", "").split()
 

@@ -153,7 +153,7 @@ def test_the_speed_ratio_pairs_repeats_and_reports_their_spread():
     assert "speedup_c1_ci_low" not in one and "speedup_batch" not in one
 
 
-# The seventh H200 session's repeats (tokens/s, eval.speed_servers=together, 5 timed passes of
+# Repeats on one H200, 2026-12-03 (tokens/s, eval.speed_servers=together, 5 timed passes of
 # each server at batch 80): the stage's client, then the independent one on the same servers.
 H200_BATCH = {
     "draft": [3738.3, 3631.5, 4346.5, 4039.9, 3362.8],
@@ -208,7 +208,7 @@ def test_a_speed_check_miss_inside_both_measurements_noise_is_told_apart_from_a_
 
 
 def test_timings_side_by_side_cancel_a_level_both_clients_see():
-    """The eleventh H200 session: the draft's server at concurrency 1 moved between about 255
+    """One H200 on 2026-12-04: the draft's server at concurrency 1 moved between about 255
     and 335 tok/s. When both clients time each repeat side by side they meet the same level, and
     the paired noise is the clients' own disagreement (2% here), not the server's levels (an
     interval of about ±25% per ratio)."""
@@ -246,7 +246,7 @@ def test_the_speed_check_flags_a_ratio_more_than_ten_percent_off_the_second_meas
     close = agreement({"c1": 0.50, "batch": 0.30}, {"c1": 0.52, "batch": 0.32})
     assert close["speed_check_agrees"] == 1
     assert abs(close["speed_check_c1_diff"] - (0.50 / 0.52 - 1)) < 1e-12
-    # The fourth H200 session's case: the stage 25% and 29% below the probe.
+    # One H200 on 2026-12-02: the stage 25% and 29% below the probe.
     far = agreement({"c1": 0.46, "batch": 0.30}, {"c1": 0.62, "batch": 0.42})
     assert far["speed_check_agrees"] == 0 and far["speed_check_batch"] == 0.42
     # The summary says which is which, and names a disagreement.

@@ -71,15 +71,15 @@ def test_gpu_hardware_without_a_kind_says_how_to_get_estimates(tmp_path):
 LANE = ["data.num_samples=2000", "data.max_seq_len=463"]  # 926,000 tokens, as prepared there
 MEASURED_H200 = [
     # (what, overrides, stage, seconds)
-    ("lane, 1st session", [*LANE, "train.epochs=3"], "extract", 15.9),
-    ("lane, 1st session", [*LANE, "train.epochs=3"], "train", 179.7),
-    ("lane, 4th session", [*LANE, "train.epochs=1"], "extract", 20.1),
-    ("lane, 4th session", [*LANE, "train.epochs=1"], "train", 204.3),
-    ("lane, 4th session", [*LANE, "train.epochs=1"], "evaluate", 357.5),
+    ("lane, H200 2026-12-01", [*LANE, "train.epochs=3"], "extract", 15.9),
+    ("lane, H200 2026-12-01", [*LANE, "train.epochs=3"], "train", 179.7),
+    ("lane, H200 2026-12-02", [*LANE, "train.epochs=1"], "extract", 20.1),
+    ("lane, H200 2026-12-02", [*LANE, "train.epochs=1"], "train", 204.3),
+    ("lane, H200 2026-12-02", [*LANE, "train.epochs=1"], "evaluate", 357.5),
     # extract=vllm through the stage, 697,060 tokens: server 75.2 s, requests 4.6 s, reading the
     # files 4.7 s.
     (
-        "vLLM extraction, 3rd session",
+        "vLLM extraction, H200 2026-12-02",
         ["extract=vllm", "data.num_samples=1820", "data.max_seq_len=383"],
         "extract",
         84.5,

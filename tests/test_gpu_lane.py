@@ -17,7 +17,7 @@ What it covers, each with the figures it prints (`GPU-FIGURES` lines) for docs/b
 - a GPU training stopped by SIGTERM resumes from its checkpoint and redoes no step;
 - the published card's `vllm serve` command serving the draft.
 The Kimi-K2.5 miniature's GPU test is in tests/test_kimi_miniature.py, the fused loss's in
-tests/test_train_resume.py. scripts/gpu_lane.sh runs the parts that measure no speed side by
+tests/test_train_resume.py. dev/gpu_lane.sh runs the parts that measure no speed side by
 side (each server with a share of the memory) and the speed figures alone.
 """
 
@@ -171,7 +171,7 @@ def test_the_speed_ratio_agrees_with_an_independent_client_on_the_same_servers(p
     assert all(len(speeds[s]["check"][k]) == 5 for s in speeds for k in ("c1", "batch"))
     # Two measurements further apart than their own repeats' noise: a fault in one of them.
     assert all(m[f"speed_check_{k}_within_noise"] == 1 for k in ("c1", "batch")), m
-    # The goal: within 10% (the seventh session: -6% at concurrency 1, -14% at batch, passes of
+    # The goal: within 10% (one H200, 2026-12-03: -6% at concurrency 1, -14% at batch, passes of
     # under a second; the eighth, passes of >= 5 s: -4% and -10.6%, the check reading the fast
     # target 18% low; both clients now measure a steady state, benchmarks/speed_clients.py).
     for kind in ("c1", "batch"):

@@ -20,6 +20,19 @@ wheelhouse = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(wheelhouse)
 
 
+def test_the_user_chooses_the_piece_size(tmp_path):
+    """`bundle --piece-mib`: pieces of at most the size the user's link takes."""
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "a.whl").write_bytes(os.urandom(300_000))
+    ns = argparse.Namespace
+    out = tmp_path / "pieces"
+    assert wheelhouse.bundle(ns(src=str(tmp_path / "wheels"), out=str(out), piece_mib=0.1)) == 0
+    pieces = sorted(out.glob("piece*"))
+    assert len(pieces) == 3 and all(p.stat().st_size <= 0.1 * 2**20 for p in pieces)
+    with pytest.raises(SystemExit, match="piece-mib"):
+        wheelhouse.bundle(ns(src=str(tmp_path / "wheels"), out=str(out), piece_mib=0))
+
+
 def _tree(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -54,8 +67,8 @@ def test_a_bundle_travels_in_pieces_and_comes_back_whole(tmp_path, monkeypatch):
 
 
 def test_the_pieces_still_to_carry_are_named(tmp_path, monkeypatch, capsys):
-    """What gpu_lane.sh recv prints after each call: a machine replaced between calls comes
-    back without the pieces carried before, and this is where the user sees it."""
+    """Part-way through a carry, the pieces that have not arrived are named (and a bundle whose
+    checksums did not travel is refused)."""
     (tmp_path / "wheels").mkdir()
     (tmp_path / "wheels" / "a.whl").write_bytes(os.urandom(250_000))
     monkeypatch.setattr(wheelhouse, "PIECE_BYTES", 100_000)

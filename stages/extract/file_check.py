@@ -2,7 +2,7 @@
 still out: one thread reads, checks and summarises each row's hidden-state file as soon as it has
 landed, so that the check overlaps the requests instead of following them. On one H200 the check
 after the requests took 4.5 s alone for 1,500 rows (the requests 4.4 s), and 194 s with other
-work on the cores (docs/benchmarks.md, eleventh session), all of it after the client had ended.
+work on the cores (docs/benchmarks.md, one H200, 2026-12-04), all of it after the client had ended.
 
 The thread walks the rows in order (the statistics add up in the same order as a check after the
 requests would, so they do not change from run to run), each once its file is there: present

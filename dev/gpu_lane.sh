@@ -3,21 +3,21 @@
 # that travels there with one bundle piece per call (pieces of <= 60 MiB: `make gpu-bundle`
 # builds them here into .gpu/pieces). Every call is short; the lane runs in its own process
 # session between calls. Usage, one verb per call (docs/gpu.md):
-#   bash scripts/gpu_lane.sh recv            keep the carried piece(s) of .gpu/pieces in /tmp/gpu,
+#   bash dev/gpu_lane.sh recv            keep the carried piece(s) of .gpu/pieces in /tmp/gpu,
 #                                            say which are still missing
-#   bash scripts/gpu_lane.sh facts           the machine: cores, NUMA nodes, the GPU's own
+#   bash dev/gpu_lane.sh facts           the machine: cores, NUMA nodes, the GPU's own
 #                                            cores, clocks (what a speed figure depends on)
-#   bash scripts/gpu_lane.sh setup           join and check the pieces, install the wheels
-#   bash scripts/gpu_lane.sh start [TESTS]   the GPU lane (pytest -m gpu) in its own session, in
+#   bash dev/gpu_lane.sh setup           join and check the pieces, install the wheels
+#   bash dev/gpu_lane.sh start [TESTS]   the GPU lane (pytest -m gpu) in its own session, in
 #                                            three phases (below), or only TESTS, in one process;
 #                                            GPU_LANE_PARTS="a1 a2 b" runs only those parts of
 #                                            the phases (a machine lost midway: the rest);
 #                                            GPU_LANE_B_CPUS="0-7 8-15" pins B's client and its
 #                                            vLLM servers to those cores (taskset)
-#   bash scripts/gpu_lane.sh bench CMD...    a benchmark (e.g. python -m benchmarks.vllm_extract_bench)
-#   bash scripts/gpu_lane.sh wait SECONDS    until it ends or SECONDS pass; its latest lines
-#   bash scripts/gpu_lane.sh fetch           its logs and figures to $OUT
-#   bash scripts/gpu_lane.sh stop            end the lane and every process it started
+#   bash dev/gpu_lane.sh bench CMD...    a benchmark (e.g. python -m benchmarks.vllm_extract_bench)
+#   bash dev/gpu_lane.sh wait SECONDS    until it ends or SECONDS pass; its latest lines
+#   bash dev/gpu_lane.sh fetch           its logs and figures to $OUT
+#   bash dev/gpu_lane.sh stop            end the lane and every process it started
 # The phases, to fit 30 minutes of one GPU: (A) the parts that measure no speed, side by side,
 # each vLLM server with 15% of the GPU's memory (EAGLE3_GPU_LANE_OVERRIDES), extraction's
 # parity among them (its two rates then share the GPU: the alone figures are in
@@ -61,7 +61,7 @@ start)
   if [ $# -gt 0 ]; then
     setsid nohup bash -c "$PY -m pytest -m gpu -v -s -p no:cacheprovider $* > $G/lane.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &
   else
-    setsid nohup bash scripts/gpu_lane.sh phases > /dev/null 2>&1 < /dev/null &
+    setsid nohup bash dev/gpu_lane.sh phases > /dev/null 2>&1 < /dev/null &
   fi
   sleep 2; echo "started: ${*:-all three phases}" ;;
 bench)  # a benchmark in the lane's environment, in its own session: bench python -m benchmarks.X ...

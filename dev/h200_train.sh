@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/benchmarks.md ("Multi-GPU training"), on a machine with 2 GPUs
 # and no network, from this checkout plus a wheelhouse (scripts/wheelhouse.py build .whl
-# --have scripts/targets/h200.txt). Results go to $OUT (default ./gpu_results) as JSON lines.
-#   bash benchmarks/h200_train.sh part1   # install, synthetic Kimi store, 1 GPU, direct
-#   bash benchmarks/h200_train.sh part2   # 2 GPUs DDP, kill -9 of one rank and resume
-#   bash benchmarks/h200_train.sh part3   # fp8 hidden-state storage against bf16, 1 GPU
+# --have dev/targets/h200.txt). Results go to $OUT (default ./gpu_results) as JSON lines.
+#   bash dev/h200_train.sh part1   # install, synthetic Kimi store, 1 GPU, direct
+#   bash dev/h200_train.sh part2   # 2 GPUs DDP, kill -9 of one rank and resume
+#   bash dev/h200_train.sh part3   # fp8 hidden-state storage against bf16, 1 GPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}; mkdir -p "$OUT"

@@ -11,11 +11,11 @@
 # were: so every call here is short. The pipeline runs in its own process session (it outlives
 # the call that starts it), `wait` calls watch it, and `fetch` brings back one packed draft a call
 # (a GPU-recipe draft is 47 MB packed; a call returns at most 64 MiB).
-#   bash benchmarks/h200_draft.sh install          # wheels -> /tmp/site, pieces -> /tmp/gg
-#   bash benchmarks/h200_draft.sh start EPOCHS     # (carry .gg3) the pipeline, in the background
-#   bash benchmarks/h200_draft.sh wait SECONDS     # until it ends or SECONDS pass; its last lines
-#   bash benchmarks/h200_draft.sh fetch N          # the draft after N epochs, packed, to $OUT
-#   bash benchmarks/h200_draft.sh run EPOCHS       # the pipeline in the foreground
+#   bash dev/h200_draft.sh install          # wheels -> /tmp/site, pieces -> /tmp/gg
+#   bash dev/h200_draft.sh start EPOCHS     # (carry .gg3) the pipeline, in the background
+#   bash dev/h200_draft.sh wait SECONDS     # until it ends or SECONDS pass; its last lines
+#   bash dev/h200_draft.sh fetch N          # the draft after N epochs, packed, to $OUT
+#   bash dev/h200_draft.sh run EPOCHS       # the pipeline in the foreground
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_results}; mkdir -p "$OUT"
@@ -57,7 +57,7 @@ start)
   # session of its own: it runs on after this call returns, until the machine goes back.
   rm -rf /tmp/repo; mkdir -p /tmp/repo
   cp -r benchmarks conf hydra_plugins runner stages sweeps pyproject.toml /tmp/repo/ || exit 1
-  setsid nohup bash -c "bash /tmp/repo/benchmarks/h200_draft.sh run $2 > $LOG 2>&1; echo \$? > $RC" \
+  setsid nohup bash -c "bash /tmp/repo/dev/h200_draft.sh run $2 > $LOG 2>&1; echo \$? > $RC" \
     > /dev/null 2>&1 < /dev/null &
   sleep 5; tail -3 $LOG
   ;;
