@@ -13,7 +13,7 @@ then moved to `out_dir/hs_{row}.safetensors`. Like that client it retries each r
 backoff, checks that the server saw the row's own token ids, skips a row that keeps failing and
 stops once `2 x concurrency` rows in a row failed.
 
-Several servers (data-parallel extraction, README "More than one box") share one queue of rows,
+Several servers (data-parallel extraction, docs/multi-box.md) share one queue of rows,
 `concurrency` requests in flight on each: a faster server simply takes more rows, and a row
 whose request failed goes back on the queue for whichever server is free. A server that fails a
 request and then does not answer `alive()` is dropped; its rows go to the others, and only when

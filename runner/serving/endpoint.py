@@ -154,7 +154,7 @@ def problems(
     if info.config is not None and spec.get("method") != need:
         recipe = (
             "--speculative-config with method extract_hidden_states and the capture ids, and "
-            "--kv-transfer-config with a hidden-states connector (the README's two-box recipe)"
+            "--kv-transfer-config with a hidden-states connector (docs/multi-box.md: two boxes)"
             if need == EXTRACTION
             else "--speculative-config with method eagle3 and the trained draft"
         )

@@ -1,4 +1,4 @@
-"""Several vLLM servers for one stage: data-parallel extraction (README "More than one box").
+"""Several vLLM servers for one stage: data-parallel extraction (docs/multi-box.md).
 
     with serve_pool(cfg, model_path, args_for, logs_dir, label="extract") as servers:
         ...  # servers: a list of VllmServer / ExistingServer, at least one

@@ -2,7 +2,7 @@
 and what every node after the first does.
 
 One runner job runs on each node, with the same config and the same run.output_root on storage
-every node sees (README "More than one box"):
+every node sees (docs/multi-box.md):
 - node 0 (the leader) runs the pipeline as on one box; its train stage starts torchrun with a
   c10d rendezvous (`--nnodes N --rdzv_backend c10d --rdzv_endpoint HOST:PORT --rdzv_id ...`) and
   writes the training request, marked open, into the train stage's work folder;

@@ -208,7 +208,8 @@ def plan_online(p: Plan, cfg: RunnerConfig) -> None:
                 else "no GPU is left to train on. Share them (extract.share_gpu=0.3 gives the "
                 "server 30% of each GPU's memory and training the rest), extract offline "
                 "instead (extract.mode=offline, extract.storage=fp8 halves the disk), or serve "
-                "on another machine and point hardware.vllm.endpoint at it (README: two boxes)"
+                "on another machine and point hardware.vllm.endpoint at it "
+                "(docs/multi-box.md: two boxes)"
             ),
         )
         return
