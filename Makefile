@@ -28,8 +28,10 @@ fmt: setup  ## Format the code and apply ruff's safe fixes
 # A worker that dies (the OOM killer) is not replaced: xdist's replacement once waited forever and
 # held CI to its limit; the dead worker's test fails and the lane ends.
 XDIST := -n 2 --dist loadfile --max-worker-restart=0
+# Each worker on a core of its own, with what it starts (tests/conftest.py: pytest_configure).
+PIN := EAGLE3_TEST_PIN_WORKERS=1
 test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (~13 min)
-	@$(call timed,$(PY) -m pytest -q $(XDIST) --timeout=600 --durations=15 -m "not e2e and not vllm and not faults",fast tests)
+	@$(call timed,$(PIN) $(PY) -m pytest -q $(XDIST) --timeout=600 --durations=15 -m "not e2e and not vllm and not faults",fast tests)
 
 # Also two workers, a file each. Both saturate the two cores (vLLM's CPU servers and training
 # each take every core), so the lane's time is its total work: 2,501 s in a clean clone's CI here
@@ -37,7 +39,7 @@ test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, 
 # nothing, less work did. --durations prints the slowest tests in CI's log: CI as a whole took
 # 3,450 s, still over the 50-minute goal, and cutting it further needs those figures.
 test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lane, fault injection (~42 min)
-	@$(call timed,$(PY) -m pytest -q $(XDIST) --durations=25 -m "e2e or vllm or faults",slow lanes)
+	@$(call timed,$(PIN) $(PY) -m pytest -q $(XDIST) --durations=25 -m "e2e or vllm or faults",slow lanes)
 
 test: setup lint test-fast test-slow  ## Everything CI runs: lint, fast tests, then the slow lanes
 

@@ -33,6 +33,27 @@ REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
 
 
+# EAGLE3_TEST_PIN_WORKERS=1 (the Makefile's lanes): each pytest-xdist worker, and everything it
+# starts, runs on cores of its own. Unpinned, two workers' vLLM CPU evaluation servers each bound
+# their OpenMP threads to the same first core (vLLM's auto-binding leaves the last core it may
+# use to its scheduler), and two trainings' threads oversubscribed both cores.
+def pytest_configure(config):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if os.environ.get("EAGLE3_TEST_PIN_WORKERS") != "1" or not worker.startswith("gw"):
+        return
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if count < 2 or len(cores) < count:
+        return
+    index = int(worker[2:])
+    share = len(cores) // count
+    mine = cores[index * share : (index + 1) * share]
+    os.sched_setaffinity(0, mine)
+    threads = str(len(mine))
+    os.environ["OMP_NUM_THREADS"] = threads
+    torch.set_num_threads(len(mine))
+
+
 def compose(overrides: list[str] | None = None):
     """The config `python -m runner <overrides>` would get, through Hydra's compose API."""
     GlobalHydra.instance().clear()
