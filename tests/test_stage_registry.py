@@ -105,8 +105,14 @@ def _section_reads(path: Path) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize(
     "module",
-    ["engine/job", "engine/pipeline", "engine/preflight", "tracking/sweep", "engine/stage"]
-    + ["engine/checks"],
+    [
+        "engine/job",
+        "engine/pipeline",
+        "engine/preflight",
+        "engine/stage",
+        "engine/checks",
+        "tracking/sweep",
+    ],
 )
 def test_the_engine_reads_no_stage_section_and_no_metric_name(module):
     path = REPO / "runner" / f"{module}.py"
