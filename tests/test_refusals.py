@@ -480,6 +480,16 @@ def test_mlflow_stores_that_cannot_be_used_are_refused_in_the_plan(tmp_path, tin
     client.delete_experiment(client.create_experiment("eagle3"))
     err = _refusal(tiny_model_dir, data, tmp_path / "out", f"tracking.uri=sqlite:///{db}")
     assert err.key == "tracking.uri" and "is deleted" in err.message and "restore" in err.message
+    # A store that lost its contents is never replaced by a new empty one (its history gone).
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", f"tracking.uri=sqlite:///{empty}")
+    assert err.key == "tracking.uri" and "empty (0 bytes)" in err.message, err.message
+    assert "move it aside" in err.message and empty.stat().st_size == 0
+    cut = tmp_path / "cut.db"
+    cut.write_bytes(db.read_bytes()[: 3 * 4096])  # a store cut short beneath MLflow
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", f"tracking.uri=sqlite:///{cut}")
+    assert err.key == "tracking.uri" and "damaged" in err.message, err.message
 
 
 def test_a_deeply_nested_row_is_named_by_file_and_line(tmp_path, tiny_model_dir):

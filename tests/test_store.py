@@ -180,6 +180,35 @@ def test_gc_lists_by_default_and_removes_on_request(tmp_path, capsys):
     assert not leftover.exists() and not aside.exists() and resume.exists()
 
 
+def test_gc_offers_no_artifact_on_the_word_of_a_store_it_cannot_read(tmp_path, monkeypatch, capsys):
+    """A root whose mlflow.db is gone, emptied or damaged names no run: --unreferenced would
+    offer every artifact, the trained draft included. gc refuses (exit 2) and lists none; the
+    same root with a whole store lists only what no run names."""
+    import mlflow
+
+    from runner.commands.gc import main as gc
+    from runner.core.layout import RunLayout
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    store = ArtifactStore(tmp_path)
+    _published(store, "k1")
+    db = RunLayout(tmp_path).mlflow_db
+    for state in ("missing", "empty", "damaged"):
+        if state == "empty":
+            db.write_bytes(b"")
+        elif state == "damaged":
+            db.write_bytes(b"SQLite format 3\x00" + b"\xff" * 2000)
+        assert gc(["--output-root", str(tmp_path), "--unreferenced", "--delete"]) == 2, state
+        captured = capsys.readouterr()
+        assert "lists none" in captured.err and "unreferenced" not in captured.out, state
+        assert store.get("extract", "k1") is not None, state
+    db.unlink()
+    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    client.create_run(client.create_experiment("eagle3"))  # a run that names no artifact
+    assert gc(["--output-root", str(tmp_path), "--unreferenced"]) == 0
+    assert "unreferenced" in capsys.readouterr().out
+
+
 def test_a_signalled_companion_command_leaves_nothing_and_exits_128_plus_signal(tmp_path, capsys):
     """publish and transfer run under `companion`: SIGTERM while the folder is half-written ends
     the command with one line and 143, and the half-written folder is gone; a folder a killed

@@ -27,22 +27,30 @@ from pathlib import Path
 
 from runner.core.layout import RunLayout, default_root
 from runner.core.store import MANIFEST, ArtifactStore, dead_temps, fmt_bytes, killed_writes
-from runner.tracking.runs import tracking_uri
+from runner.tracking.runs import sqlite_damage, tracking_uri
 
 
 def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
+class Unreadable(Exception):
+    """The root's MLflow store cannot say which artifacts its runs use."""
+
+
 def _referenced(root: Path, store: ArtifactStore) -> set[tuple[str, str]]:
     """(stage, key) of every artifact an MLflow run of this root names, and what they came
     from. Read through MLflow's client; never creates a store."""
-    db = RunLayout(root).mlflow_db
-    if not db.is_file():
-        return set()
+    uri = tracking_uri(None, root)
+    if uri.startswith("sqlite:///"):
+        # No store, or one that cannot be read, names nothing: every artifact would look unused.
+        db = Path(uri[len("sqlite:///") :])
+        problem = sqlite_damage(db) if db.is_file() else f"there is no MLflow store at {db}"
+        if problem:
+            raise Unreadable(problem)
     import mlflow  # seconds; only for --unreferenced
 
-    client = mlflow.MlflowClient(tracking_uri(None, root))
+    client = mlflow.MlflowClient(uri)
     named: set[tuple[str, str]] = set()
     for exp in client.search_experiments():
         for run in client.search_runs([exp.experiment_id], max_results=50000):
@@ -114,7 +122,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{root} is not an output root (no such folder)", file=sys.stderr)
         return 2
     total = removed = 0
-    for kind, path, note in find(root, args.unreferenced):
+    try:
+        found = find(root, args.unreferenced)
+    except Unreadable as exc:
+        print(
+            f"gc --unreferenced: {exc}; it cannot tell which artifacts runs use, so it lists "
+            "none (run gc without --unreferenced for the rest)",
+            file=sys.stderr,
+        )
+        return 2
+    for kind, path, note in found:
         size = _size(path)
         keep = kind == "resume" and not args.resume_state
         act = "keep" if keep or not args.delete else "remove"

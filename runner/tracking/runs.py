@@ -169,18 +169,12 @@ def _database_driver(uri: str) -> str | None:
 
 
 def _sqlite_store(path: Path, experiment: str | None) -> str | None:
-    """An existing SQLite store: a database, where the experiment is not deleted."""
+    """An existing SQLite store: a whole database, where the experiment is not deleted."""
+    damage = sqlite_damage(path)
+    if damage or experiment is None:
+        return damage
     import sqlite3
 
-    try:
-        with open(path, "rb") as fh:
-            header = fh.read(len(SQLITE_HEADER))
-    except OSError as exc:
-        return f"cannot read {path}: {exc.strerror or exc}"
-    if header and header != SQLITE_HEADER:
-        return f"{path} is not an SQLite database (MLflow's store); move it away or pick another"
-    if not header or experiment is None:
-        return None
     try:
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
             row = db.execute(
@@ -188,7 +182,7 @@ def _sqlite_store(path: Path, experiment: str | None) -> str | None:
                 (experiment,),
             ).fetchone()
     except sqlite3.Error:
-        return None  # an empty or older store: MLflow creates or migrates it
+        return None  # a database with no tables yet: MLflow creates them
     if row and row[1] == "deleted":
         return (
             f"experiment {experiment!r} is deleted in {path} (it stays until purged, and its name "
@@ -198,15 +192,59 @@ def _sqlite_store(path: Path, experiment: str | None) -> str | None:
     return None
 
 
-def missing_store(uri: str) -> str | None:
-    """For a read-only command (report, publish): why the store at `uri` is not there (a SQLite
-    file that does not exist: opening it would create an empty one), or None."""
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+def sqlite_damage(path: Path) -> str | None:
+    """Why the existing SQLite file at `path` is not a whole MLflow store, or None. MLflow opens
+    an empty (0-byte) file as a new store and writes a fresh schema into it, so a store whose
+    contents were lost would be replaced without a word, its history gone: refused, like a file
+    that is not SQLite, is shorter than its header says or whose schema cannot be read."""
+    import sqlite3
+
+    aside = (
+        f"restore it from a backup, or move it aside (mv {path} {path}.damaged) to start a new "
+        "store; the stage artifacts under store/ are kept either way"
+    )
+    try:
+        with open(path, "rb") as fh:
+            header = fh.read(100)
+        size = path.stat().st_size
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    if not header:
+        return f"the MLflow store {path} is empty (0 bytes): its runs are lost; {aside}"
+    if not header.startswith(SQLITE_HEADER):
+        return f"{path} is not an SQLite database (MLflow's store); move it away or pick another"
+    # The header's own page count (valid when its change counter matches, offsets 24 and 92):
+    # a file shorter than that was cut beneath SQLite. Read in microseconds, where a full
+    # integrity check would read every page of a store that grows with every run.
+    page = int.from_bytes(header[16:18], "big")
+    page = 65536 if page == 1 else page
+    pages = int.from_bytes(header[28:32], "big")
+    if len(header) == 100 and header[24:28] == header[92:96] and size < pages * page:
         return (
-            f"no MLflow store at {uri[len('sqlite:///') :]}; run from the folder that holds "
+            f"the MLflow store {path} is cut short ({size:,} of the {pages * page:,} bytes its "
+            f"header declares); {aside}"
+        )
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.DatabaseError as exc:
+        return f"the MLflow store {path} is damaged ({exc}); {aside}"
+    return None
+
+
+def missing_store(uri: str) -> str | None:
+    """For a read-only command (report, publish): why the store at `uri` cannot be read (a SQLite
+    file that does not exist, or is empty or damaged: opening it would create a new one), or
+    None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = Path(uri[len("sqlite:///") :])
+    if not db.is_file():
+        return (
+            f"no MLflow store at {db}; run from the folder that holds "
             "outputs/, or pass --output-root DIR or --tracking-uri URI"
         )
-    return None
+    return sqlite_damage(db)  # opening an emptied store would write a new one over it
 
 
 class Tracker:
