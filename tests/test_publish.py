@@ -52,6 +52,50 @@ def test_a_published_draft_loads_elsewhere_with_its_card(trained, tmp_path, tiny
     assert publish([str(out), "--output-root", str(trained)]) == 1
 
 
+def test_a_copied_or_moved_root_publishes_its_own_draft(trained, tmp_path):
+    """Records point at the root they were written in; publish acts on the root it is given. A
+    copy publishes the copy's draft even when the original's has changed since, and a moved
+    root, whose original is gone, still finds its draft."""
+    from runner.integrations.mlflow_sqlite import repoint
+
+    original = shutil.copytree(trained, tmp_path / "original", symlinks=True)
+    repoint(original / "mlflow.db", original)  # its records name it, as a run there leaves them
+    copy = shutil.copytree(original, tmp_path / "copy", symlinks=True)
+    ours = next((copy / "store" / "train").glob("*/draft/model.safetensors")).read_bytes()
+    theirs = next((original / "store" / "train").glob("*/draft/model.safetensors"))
+    theirs.write_bytes(b"not the copy's draft")
+    assert publish([str(tmp_path / "from-copy"), "--output-root", str(copy)]) == 0
+    assert (tmp_path / "from-copy" / "model.safetensors").read_bytes() == ours
+    moved = tmp_path / "moved"
+    copy.rename(moved)
+    assert publish([str(tmp_path / "from-moved"), "--output-root", str(moved)]) == 0
+    assert (tmp_path / "from-moved" / "model.safetensors").read_bytes() == ours
+
+
+def test_the_local_serve_command_names_the_root_it_is_published_from(tmp_path):
+    """serve_local.sh: the evaluation's command, computed in another root, pointed at the root the
+    records now lie in (its converted target there) and at the published folder."""
+    from types import SimpleNamespace
+
+    from runner.commands.publish import local_serve_command
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    evaluate = new / "store" / "evaluate" / "e1"
+    evaluate.mkdir(parents=True)
+    draft = old / "store" / "train" / "t1" / "draft"
+    command = f'vllm serve {old}/models/tiny --speculative-config \'{{"model": "{draft}"}}\''
+    (evaluate / "manifest.json").write_text(
+        json.dumps({"served": {"draft": str(draft), "serve_command": command}})
+    )
+    tags = {"path.evaluate": str(evaluate), "path.train": str(new / "store" / "train" / "t1")}
+    out = tmp_path / "published"
+    local = local_serve_command(SimpleNamespace(data=SimpleNamespace(tags=tags)), out)
+    assert local == (
+        f'vllm serve {new}/models/tiny --speculative-config \'{{"model": "{out.resolve()}"}}\''
+    )
+    assert str(old) not in local
+
+
 def test_a_draft_travels_packed_without_the_targets_embeddings(trained, tmp_path, tiny_model_dir):
     """pack leaves out what the target already holds; unpack restores it byte for byte from the
     target, and refuses a target whose weights differ."""

@@ -35,7 +35,7 @@ from runner.core.interrupts import companion
 from runner.core.layout import default_root
 from runner.core.store import new_folder
 from runner.tracking.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, RESULTS_FILE
-from runner.tracking.runs import missing_store, tracking_uri
+from runner.tracking.runs import follow_moved_root, missing_store, tracking_uri
 
 
 def _find_run(client: Any, experiment: str, run_id: str | None) -> Any:
@@ -107,9 +107,29 @@ def local_serve_command(run: Any, folder: Path) -> str | None:
     try:
         manifest = Path(run.data.tags["path.evaluate"]) / "manifest.json"
         served = json.loads(manifest.read_text())["served"]
-        return served["serve_command"].replace(served["draft"], str(folder.resolve()))
+        command = served["serve_command"].replace(served["draft"], str(folder.resolve()))
     except (KeyError, OSError, ValueError):
         return None
+    # A root copied or moved since: its stored records name the root they were computed in.
+    root, computed_in = _roots(run, served["draft"])
+    if root is not None and computed_in is not None and computed_in != root:
+        command = command.replace(f"{computed_in}/", f"{root}/")
+    return command
+
+
+def _roots(run: Any, served_draft: str) -> tuple[Path | None, Path | None]:
+    """(the root the run's records now point at, the root its evaluation was computed in), read
+    from the trained draft's place in each (<root>/store/train/<key>/draft); Nones where the
+    evaluation served a draft from elsewhere (eval.draft)."""
+    train = run.data.tags.get("path.train")
+    if not train:
+        return None, None
+    here = Path(train)
+    rel = here.relative_to(here.parents[2]) / "draft"  # store/train/<key>/draft
+    served = Path(served_draft)
+    if len(served.parts) <= len(rel.parts) or served.relative_to(served.parents[3]) != rel:
+        return None, None
+    return here.parents[2], served.parents[3]
 
 
 def run_results(run: Any) -> list[dict[str, Any]]:
@@ -350,11 +370,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    uri = tracking_uri(args.tracking_uri, Path(args.output_root).expanduser().resolve())
+    root = Path(args.output_root).expanduser().resolve()
+    uri = tracking_uri(args.tracking_uri, root)
     problem = missing_store(uri)
     if problem:
         print(problem, file=sys.stderr)
         return 1
+    follow_moved_root(uri, root)  # a copied root publishes its own draft, a moved one finds it
     # (its bar for the one small results file it downloads would be most of the output)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow  # seconds to import; after the cheap checks

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from runner.core.layout import default_root
-from runner.tracking.runs import missing_store, tracking_uri
+from runner.tracking.runs import follow_moved_root, missing_store, tracking_uri
 from runner.tracking.sweep import comparison_rows, render_table, run_row
 
 
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 1
+    follow_moved_root(uri, root)  # a copied or moved root's runs read its own artifacts
     import mlflow  # seconds to import; after the cheap checks
 
     client = mlflow.MlflowClient(uri)

@@ -247,6 +247,26 @@ def missing_store(uri: str) -> str | None:
     return sqlite_damage(db)  # opening an emptied store would write a new one over it
 
 
+def follow_moved_root(uri: str, output_root: Path) -> Path | None:
+    """The root's own store, copied or moved here from another root, still names the old
+    root's folders: point them here, so that a run, publish or report in this root reads and
+    writes this root's files, never the other's. Returns the old root, or None."""
+    from runner.integrations.mlflow_sqlite import repoint
+
+    db = RunLayout(output_root).mlflow_db.resolve()
+    if uri != f"sqlite:///{db}" or not db.is_file():
+        return None
+    old = repoint(db, output_root)
+    if old is not None:
+        log.warning(
+            "this output root's MLflow store was made in %s (the root was copied or moved); "
+            "its runs' artifact folders and stage paths now point here, %s",
+            old,
+            output_root,
+        )
+    return old
+
+
 class Tracker:
     def __init__(self, tracking_cfg: TrackingConfig, output_root: Path):
         import mlflow  # seconds to import; only runs that track need it
@@ -274,21 +294,7 @@ class Tracker:
         self._reconcile()
 
     def _follow_moved_root(self, output_root: Path) -> None:
-        """The root's own store, copied or moved here from another root, still names the old
-        root's folders: point them here, so that this root never writes into the other."""
-        from runner.integrations.mlflow_sqlite import repoint
-
-        db = RunLayout(output_root).mlflow_db.resolve()
-        if self.uri != f"sqlite:///{db}" or not db.is_file():
-            return
-        old = repoint(db, output_root)
-        if old is not None:
-            log.warning(
-                "this output root's MLflow store was made in %s (the root was copied or moved); "
-                "its runs' artifact folders and stage paths now point here, %s",
-                old,
-                output_root,
-            )
+        follow_moved_root(self.uri, output_root)
 
     def _experiment(self, name: str, output_root: Path) -> str:
         exp = self.mlflow.get_experiment_by_name(name)
