@@ -88,6 +88,9 @@ def many_chats(tmp_path_factory) -> Path:
         (signal.SIGINT, 130, "extract", "[extract] running"),
         (signal.SIGTERM, 143, "train", "'global_step': 3"),
         (signal.SIGINT, 130, "train", "'global_step': 3"),
+        # A closed terminal, and SIGUSR1 outside training (no scheduler answers it here).
+        (signal.SIGHUP, 129, "extract", "[extract] running"),
+        (signal.SIGUSR1, 138, "extract", "[extract] running"),
     ],
 )
 def test_a_signal_ends_the_run_cleanly_and_the_same_command_continues(

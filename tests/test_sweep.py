@@ -281,3 +281,25 @@ def test_a_command_line_sweeps_parent_is_named_by_what_it_sweeps():
         "vocab.draft_vocab_size=range(4096,8193,4096) x=[1,2],[3,4]"
     )
     assert _swept_title([]) == "defaults"
+
+
+def test_a_signal_while_the_sweep_closes_waits_for_its_parent_to_close(monkeypatch, capsys):
+    """SIGTERM (or a closed terminal) while the parent run is being closed: the closing ends
+    first, then the sweep exits with the signal's code and a line that says so."""
+    import os
+    import signal
+
+    from runner.tracking.sweep import SweepCallback
+
+    closed = []
+
+    def close(self, config):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of the closing
+        closed.append("parent closed")
+
+    monkeypatch.setattr(SweepCallback, "_close", close)
+    with pytest.raises(SystemExit) as stop:
+        SweepCallback().on_multirun_end(config=None)
+    assert stop.value.code == 143 and closed == ["parent closed"]
+    assert "interrupted by SIGTERM while the sweep closed" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -1,5 +1,7 @@
-"""SIGINT and SIGTERM end a run cleanly, at any point (`Interrupted` extends BaseException, as
-KeyboardInterrupt does).
+"""Every signal a terminal or a scheduler sends ends a run cleanly, at any point: SIGINT (Ctrl-C),
+SIGTERM (a scheduler's cancel), SIGHUP (the terminal closed; left alone under nohup), SIGUSR2,
+and SIGUSR1 unless something else answers it (submitit's requeue under Slurm). `Interrupted`
+extends BaseException, as KeyboardInterrupt does.
 
     with stop_on_signals():
         ...                  # the job: a signal raises Interrupted here, in the main thread
@@ -8,8 +10,8 @@ KeyboardInterrupt does).
 it unwinds through the stage, whose partial output the artifact store removes (a resumable
 stage's work folder is kept), through every ManagedProcess block (servers and ranks stop), to
 the job, which marks the MLflow run KILLED, and to the entry point, which prints one line (what
-was interrupted, how to resume) and exits 128 + the signal (130 for Ctrl-C, 143 for SIGTERM).
-After the first signal, a second SIGINT or SIGTERM exits at once (`os._exit`); the kernel then
+was interrupted, how to resume) and exits 128 + the signal (130 for Ctrl-C, 143 for SIGTERM, 129
+for SIGHUP). After the first signal, a second one exits at once (`os._exit`); the kernel then
 stops the children the runner started (runner/processes/reaper.py).
 
 Stages that stop on their own terms (training saves a checkpoint at the next step boundary)
@@ -28,10 +30,26 @@ from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger("runner")
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 # Signals that mean "checkpoint and stop" to a stage that stops on its own terms (training):
-# Ctrl-C, a scheduler's cancel, Slurm's warning before a time limit (sent through submitit).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+# Ctrl-C, a scheduler's cancel, a closed terminal, Slurm's warning before a time limit (SIGUSR1,
+# sent through submitit, or SIGUSR2 where a batch script asks for it with --signal).
+STOP_SIGNALS = SIGNALS
+
+
+def _ours(signals: tuple[signal.Signals, ...]) -> tuple[signal.Signals, ...]:
+    """The signals the runner answers now: not one the process was told to ignore (SIGHUP under
+    nohup), nor a SIGUSR1 that another handler answers (submitit requeues the Slurm job with it;
+    training chains to that handler after its checkpoint)."""
+    out = []
+    for sig in signals:
+        current = signal.getsignal(sig)
+        if current is signal.SIG_IGN and sig != signal.SIGINT:
+            continue
+        if sig == signal.SIGUSR1 and foreign(current):
+            continue
+        out.append(sig)
+    return tuple(out)
 
 
 class Interrupted(BaseException):
@@ -53,6 +71,23 @@ class Interrupted(BaseException):
         return signal.Signals(self.signum).name
 
 
+def foreign(handler: Any) -> bool:
+    """A handler that is not the runner's own (submitit's SIGUSR1 requeue): one to chain to."""
+    return callable(handler) and not getattr(handler, "runner", False)
+
+
+def _marked(handler: Any) -> Any:
+    """`handler`, marked as the runner's own (so that `_ours` tells it from submitit's)."""
+    if not callable(handler) or getattr(handler, "runner", False):
+        return handler
+
+    def runners(signum: int, frame: Any) -> Any:
+        return handler(signum, frame)
+
+    runners.runner = True  # type: ignore[attr-defined]
+    return runners
+
+
 def as_interrupted(exc: BaseException) -> Interrupted | None:
     """A KeyboardInterrupt (Ctrl-C raised by Python's own handler) counts as SIGINT."""
     if isinstance(exc, Interrupted):
@@ -70,8 +105,8 @@ def _force_exit(signum: int, _frame: Any) -> None:
 
 def _raise(signum: int, _frame: Any) -> None:
     # The first signal: from now on a second one forces the exit.
-    for sig in SIGNALS:
-        signal.signal(sig, _force_exit)
+    for sig in _ours(SIGNALS):
+        signal.signal(sig, _marked(_force_exit))
     raise Interrupted(signum)
 
 
@@ -84,7 +119,7 @@ def handling(signals: tuple[signal.Signals, ...], handler: Any) -> Iterator[dict
     if threading.current_thread() is not threading.main_thread():
         yield {}
         return
-    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    previous = {sig: signal.signal(sig, _marked(handler)) for sig in _ours(signals)}
     try:
         yield previous
     finally:
@@ -93,21 +128,21 @@ def handling(signals: tuple[signal.Signals, ...], handler: Any) -> Iterator[dict
 
 
 def stop_on_signals() -> contextlib.AbstractContextManager[dict[int, Any]]:
-    """Within the block (main thread only), SIGINT and SIGTERM raise Interrupted."""
+    """Within the block (main thread only), the signals above raise Interrupted."""
     return handling(SIGNALS, _raise)
 
 
 def between_jobs(handler: Any) -> None:
-    """A multirun's handler for SIGINT and SIGTERM while no job runs (between jobs; each job
+    """A multirun's handler for the signals above while no job runs (between jobs; each job
     installs its own for its duration and then puts this one back). Main thread only."""
     if threading.current_thread() is threading.main_thread():
-        for sig in SIGNALS:
-            signal.signal(sig, handler)
+        for sig in _ours(SIGNALS):
+            signal.signal(sig, _marked(handler))
 
 
 @contextlib.contextmanager
 def held_back() -> Iterator[list[int]]:
-    """Within the block, SIGINT and SIGTERM are noted instead of raised (closing an MLflow run
+    """Within the block, the signals above are noted instead of raised (closing an MLflow run
     must not be cut in half and leave it RUNNING); yields the signals that came."""
     got: list[int] = []
     with handling(SIGNALS, lambda signum, _frame: got.append(signum)):
@@ -115,7 +150,7 @@ def held_back() -> Iterator[list[int]]:
 
 
 def companion(name: str, work: Any) -> int:
-    """A companion command's `main` (publish, transfer): `work()` runs with SIGINT and SIGTERM
+    """A companion command's `main` (publish, transfer): `work()` runs with the signals above
     raising Interrupted, so that its folder helpers remove what they half wrote; a signal ends it
     with one line and 128 + the signal's number, as the runner itself does."""
     try:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.core.errors import ConfigError
-from runner.core.interrupts import STOP_SIGNALS, handling
+from runner.core.interrupts import STOP_SIGNALS, foreign, handling
 from runner.core.nested import flatten
 from runner.integrations import SLOT_BACKEND, SLOTS_ENV
 from runner.integrations.versions import lib_version
@@ -160,7 +160,7 @@ def chain_requeue(state: TrainingState) -> None:
     """After a SIGUSR1 checkpoint, hand the signal to whoever handled it before us (submitit's
     handler requeues the Slurm job)."""
     old = state.previous_handlers.get(signal.SIGUSR1)
-    if state.stop_signal == "SIGUSR1" and callable(old):
+    if state.stop_signal == "SIGUSR1" and foreign(old):
         old(signal.SIGUSR1, None)
 
 

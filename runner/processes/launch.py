@@ -5,10 +5,10 @@
 
 `run_ranks` starts `python -m torch.distributed.run --standalone --nproc_per_node=N -m MODULE
 REQUEST` (runner/processes/process.py: its log, the reaper, SIGTERM on exit). While the ranks run,
-the
-first SIGINT, SIGTERM or SIGUSR1 is passed to them as SIGTERM (they save a checkpoint at their
-next step boundary and exit); if they have not stopped `stop_timeout_s` later they are killed.
-A SIGUSR1 is then handed to whoever handled it before (submitit requeues the Slurm job).
+the first stop signal (SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2) is passed to them as SIGTERM
+(they save a checkpoint at their next step boundary and exit); if they have not stopped
+`stop_timeout_s` later they are killed. A SIGUSR1 is then handed to whoever handled it before
+(submitit requeues the Slurm job).
 `resume_hint` is the line a stopped or failed stage prints.
 """
 
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runner.core.interrupts import STOP_SIGNALS, handling
+from runner.core.interrupts import STOP_SIGNALS, foreign, handling
 from runner.processes.process import ManagedProcess
 
 log = logging.getLogger("runner")
@@ -90,6 +90,6 @@ def run_ranks(
                 log.warning("[%s] the ranks did not stop within %.0f s", label, stop_timeout_s)
                 break
             time.sleep(0.5)
-    if asked and asked[0] == "SIGUSR1" and callable(previous.get(signal.SIGUSR1)):
+    if asked and asked[0] == "SIGUSR1" and foreign(previous.get(signal.SIGUSR1)):
         previous[signal.SIGUSR1](signal.SIGUSR1, None)  # submitit requeues the Slurm job
     return code, (asked[0] if asked else None), proc.tail_text()

@@ -152,9 +152,24 @@ class SweepCallback(Callback):
         between_jobs(stop)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        # A signal while the parent closes is held until it is closed, then ends the sweep with
+        # its message and code: the parent is never left RUNNING half-written.
+        try:
+            with held_back() as came:
+                self._close(config)
+        finally:
+            between_jobs(signal.SIG_DFL)
+        if came:
+            name = signal.Signals(came[0]).name
+            print(
+                f"\ninterrupted by {name} while the sweep closed; its parent run was closed first",
+                file=sys.stderr,
+            )
+            sys.exit(128 + came[0])
+
+    def _close(self, config: DictConfig) -> None:
         import mlflow  # seconds to import; only a multirun's callback needs it
 
-        between_jobs(signal.SIG_DFL)
         shared_servers.stop_all()  # the online server the sweep's jobs shared, if any
         parent = os.environ.pop(PARENT_ENV, None)
         if not parent:
