@@ -97,6 +97,27 @@ def test_the_companions_share_one_flag_vocabulary():
     assert "--run" in flags["publish"] and "--run" in flags["report"]
 
 
+def test_the_companions_answer_a_bad_argument_with_one_line_and_exit_2(tmp_path, capsys):
+    """An argument that names nothing usable (a hub id the hub refuses, a root with no store, a
+    run the store does not hold) is one line and exit 2, the config-error status."""
+    import mlflow
+
+    from runner.commands import publish, report
+
+    with pytest.raises(SystemExit) as bad:
+        publish.main([str(tmp_path / "out"), "--repo-id", "not a/valid//id"])
+    assert bad.value.code == 2 and "--repo-id" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report.main(["--output-root", str(empty)]) == 2
+    assert publish.main([str(tmp_path / "out"), "--output-root", str(empty)]) == 2
+    assert capsys.readouterr().err.count("no MLflow store") == 2
+    mlflow.MlflowClient(f"sqlite:///{empty / 'mlflow.db'}").create_experiment("eagle3")
+    assert report.main(["--output-root", str(empty), "--run", "0123abcd"]) == 2
+    assert "report: no run 0123abcd in sqlite" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_ls_of_a_key_the_schema_leaves_bare_quotes_the_file_that_sets_it(capsys):
     code, out, _ = _dispatch(capsys, "ls", "train.lr", "hardware=gpu1")
     assert code == 0 and "set in:  conf/train/eagle3_gpu.yaml" in out

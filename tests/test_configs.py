@@ -147,6 +147,20 @@ def test_wrong_type_is_rejected_with_its_name():
         (["hardware.vllm.endpoint=localhost:8000"], "hardware.vllm.endpoint"),  # no scheme
         (["hardware.vllm.endpoint=http://gpu-box"], "hardware.vllm.endpoint"),  # no port
         (["hardware.extract_tokens_per_s=0"], "hardware.extract_tokens_per_s"),
+        # The environment children run in: loader variables, and values NCCL does not take.
+        (["+hardware.env.LD_PRELOAD=/tmp/x.so"], "hardware.env.LD_PRELOAD"),
+        (["+hardware.vllm.env.PYTHONPATH=/tmp"], "hardware.vllm.env.PYTHONPATH"),
+        (
+            ["hardware=blackwell8", "hardware.env.NCCL_P2P_LEVEL=SYSTEM"],
+            "hardware.env.NCCL_P2P_LEVEL",
+        ),
+        (["hardware=blackwell8", "hardware.env.NCCL_PROTO='LL,FAST'"], "hardware.env.NCCL_PROTO"),
+        (
+            ["hardware=blackwell8", "hardware.env.NCCL_IB_DISABLE=yes"],
+            "hardware.env.NCCL_IB_DISABLE",
+        ),
+        (["+hardware.env.CUDA_VISIBLE_DEVICES=first"], "hardware.env.CUDA_VISIBLE_DEVICES"),
+        (["tracking.experiment=" + "x" * 1000], "tracking.experiment"),
     ],
 )
 def test_impossible_values_fail_before_anything_loads(overrides, key):
@@ -182,6 +196,17 @@ def test_a_gpu_box_selects_the_gpu_recipe_unless_told_otherwise():
     cfg = check_declared(compose(["hardware=blackwell8"]))
     assert cfg.train_ranks() == 8 and not cfg.train.fsdp  # every GPU of the box, DDP
     assert check_declared(compose(["hardware=blackwell8", "train.num_gpus=4"])).train_ranks() == 4
+
+
+def test_loader_variables_pass_when_allowed_and_tuned_nccl_values_pass():
+    allowed = ["+hardware.env.LD_PRELOAD=/opt/nccl/libnccl.so", "hardware.allow_loader_env=true"]
+    check_declared(compose(allowed))
+    tuned = [
+        "hardware=blackwell8",
+        "hardware.env.NCCL_PROTO='^LL128'",
+        "+hardware.env.NCCL_DEBUG=info",
+    ]
+    check_declared(compose([*tuned, "+hardware.env.CUDA_VISIBLE_DEVICES='0,1,2,3,4,5,6,7'"]))
 
 
 def test_default_aux_layers_follow_speculators():

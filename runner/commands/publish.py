@@ -366,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.push and not args.repo_id:
         ap.error("--push needs --repo-id")
+    if args.repo_id:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(args.repo_id)
+        except HFValidationError as exc:
+            ap.error(f"--repo-id {args.repo_id!r}: {exc}")
     return companion("publish", lambda: _main(args))
 
 
@@ -373,9 +380,9 @@ def _main(args: argparse.Namespace) -> int:
     root = Path(args.output_root).expanduser().resolve()
     uri = tracking_uri(args.tracking_uri, root)
     problem = missing_store(uri)
-    if problem:
-        print(problem, file=sys.stderr)
-        return 1
+    if problem:  # --output-root or --tracking-uri names no store this command can read
+        print(f"publish: {problem}", file=sys.stderr)
+        return 2
     follow_moved_root(uri, root)  # a copied root publishes its own draft, a moved one finds it
     # (its bar for the one small results file it downloads would be most of the output)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -386,8 +393,8 @@ def _main(args: argparse.Namespace) -> int:
     try:
         run = _find_run(client, args.experiment, args.run)
     except MlflowException:
-        print(f"no run {args.run} in {uri}", file=sys.stderr)
-        return 1
+        print(f"publish: no run {args.run} in {uri}", file=sys.stderr)
+        return 2
     if run is None:
         print(f"no finished run with a trained draft in {uri}", file=sys.stderr)
         return 1

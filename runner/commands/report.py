@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.output_root).expanduser().resolve()
     uri = tracking_uri(args.tracking_uri, root)
     problem = missing_store(uri)
-    if problem:
-        print(problem, file=sys.stderr)
-        return 1
+    if problem:  # --output-root or --tracking-uri names no store this command can read
+        print(f"report: {problem}", file=sys.stderr)
+        return 2
     follow_moved_root(uri, root)  # a copied or moved root's runs read its own artifacts
     import mlflow  # seconds to import; after the cheap checks
 
@@ -55,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no run in experiment {args.experiment!r} at {uri}", file=sys.stderr)
             return 1
         run_id = runs[0].info.run_id
-    run = client.get_run(run_id)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        print(f"report: no run {run_id} in {uri}", file=sys.stderr)
+        return 2
     tags = run.data.tags
     if "sweep.config" in tags:
         print(

@@ -34,6 +34,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from runner.core.environment import check_env
 from runner.core.errors import ConfigError
 from runner.core.layer_ids import CAPTURE_PRESETS
 
@@ -378,12 +379,18 @@ class HardwareConfig:
     # Planned extraction throughput (prefill tokens/s of the whole box), for the plan's write
     # bandwidth and extraction time (null: what the last extraction of this target measured).
     extract_tokens_per_s: float | None = None
-    # Environment set for every stage and child process (NCCL variables and the like).
+    # Environment set for every stage and child process (NCCL variables and the like). Values of
+    # known variables are checked (runner/core/environment.py).
     env: dict[str, str] = field(default_factory=dict)
+    # Let hardware.env and hardware.vllm.env set loader variables (LD_PRELOAD, LD_LIBRARY_PATH,
+    # PYTHONPATH, ...), which change the code every child process runs.
+    allow_loader_env: bool = False
     # The vLLM server the extract (backend vllm) and evaluate stages start.
     vllm: VllmLaunchConfig = field(default_factory=VllmLaunchConfig)
 
     def check(self) -> None:
+        check_env("hardware.env", self.env, self.allow_loader_env)
+        check_env("hardware.vllm.env", self.vllm.env, self.allow_loader_env)
         _at_least("hardware.num_gpus", self.num_gpus, 0)
         _at_least("hardware.num_nodes", self.num_nodes, 1)
         _at_least("hardware.node_wait_s", self.node_wait_s, 1)
@@ -864,6 +871,11 @@ class EvalConfig:
             )
 
 
+# The longest experiment name every MLflow store keeps: its client checks 500 characters
+# (mlflow.utils.validation), its SQL stores' column holds 256 (a database server refuses more).
+EXPERIMENT_NAME_MAX = 256
+
+
 @dataclass
 class TrackingConfig:
     # null = MLFLOW_TRACKING_URI if set, else sqlite at <output_root>/mlflow.db.
@@ -881,6 +893,12 @@ class TrackingConfig:
         _above("tracking.connect_timeout_s", self.connect_timeout_s, 0)
         if not self.experiment.strip():
             raise ConfigError("tracking.experiment", "is empty")
+        if len(self.experiment) > EXPERIMENT_NAME_MAX:
+            raise ConfigError(
+                "tracking.experiment",
+                f"is {len(self.experiment):,} characters; MLflow takes at most "
+                f"{EXPERIMENT_NAME_MAX}",
+            )
 
 
 @dataclass

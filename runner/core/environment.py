@@ -1,0 +1,94 @@
+"""Checks of the environment a run sets for itself and its children (`hardware.env`,
+`hardware.vllm.env`): the values of variables whose type is known (NCCL's, CUDA's), and the
+loader variables that would change which code every child runs.
+
+A wrong NCCL value is not refused by NCCL itself: it warns in a log nobody reads, or hangs after
+init, thirty minutes into a model load. Here it is one line in the plan, naming the key.
+"""
+
+from __future__ import annotations
+
+import re
+
+from runner.core.errors import ConfigError
+
+# Variables that decide which shared objects or Python modules every child loads: refused
+# unless hardware.allow_loader_env (a debugging preload, a custom NCCL build) says so.
+LOADER_VARIABLES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
+
+_BOOL = ("0", "1")
+_P2P_LEVELS = ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS")
+_PROTOCOLS = ("LL", "LL128", "SIMPLE")
+_ALGORITHMS = ("RING", "TREE", "COLLNETDIRECT", "COLLNETCHAIN", "NVLS", "NVLSTREE", "PAT")
+_DEBUG = ("VERSION", "WARN", "INFO", "TRACE")
+
+
+def _flag(value: str) -> str | None:
+    return None if value in _BOOL else "0 or 1"
+
+
+def _count(value: str) -> str | None:
+    return None if value.isdigit() else "a whole number"
+
+
+def _p2p_level(value: str) -> str | None:
+    return None if value.upper() in _P2P_LEVELS or value.isdigit() else " or ".join(_P2P_LEVELS)
+
+
+def _list_of(names: tuple[str, ...]) -> object:
+    """NCCL's list syntax: names separated by commas, the whole optionally negated with ^."""
+
+    def check(value: str) -> str | None:
+        items = value.removeprefix("^").split(",")
+        ok = all(i.strip().upper() in names for i in items if i.strip()) and value.strip("^, ")
+        return None if ok else f"a comma-separated list of {', '.join(names)} (^ to exclude)"
+
+    return check
+
+
+def _debug(value: str) -> str | None:
+    return None if value.upper() in _DEBUG else " or ".join(_DEBUG)
+
+
+def _devices(value: str) -> str | None:
+    ok = all(re.fullmatch(r"\d+|(GPU|MIG)-[0-9A-Za-z/-]+", d.strip()) for d in value.split(","))
+    return None if ok and value.strip() else "device indices or UUIDs, comma-separated (0,1,2)"
+
+
+# What each known variable takes.
+KNOWN = {
+    "NCCL_IB_DISABLE": _flag,
+    "NCCL_P2P_DISABLE": _flag,
+    "NCCL_SHM_DISABLE": _flag,
+    "NCCL_NVLS_ENABLE": _flag,
+    "NCCL_CUMEM_ENABLE": _flag,
+    "NCCL_P2P_LEVEL": _p2p_level,
+    "NCCL_MIN_NCHANNELS": _count,
+    "NCCL_MAX_NCHANNELS": _count,
+    "NCCL_BUFFSIZE": _count,
+    "NCCL_NTHREADS": _count,
+    "NCCL_PROTO": _list_of(_PROTOCOLS),
+    "NCCL_ALGO": _list_of(_ALGORITHMS),
+    "NCCL_DEBUG": _debug,
+    "CUDA_VISIBLE_DEVICES": _devices,
+    "OMP_NUM_THREADS": _count,
+}
+
+
+def check_env(key: str, env: dict[str, str], allow_loader: bool) -> None:
+    """Refuses, naming `key.VARIABLE`, a variable name that cannot be set, a loader variable
+    (unless allowed) or a value its variable does not take."""
+    for name, value in env.items():
+        where = f"{key}.{name}"
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ConfigError(where, "is not an environment variable name")
+        if name in LOADER_VARIABLES and not allow_loader:
+            raise ConfigError(
+                where,
+                "changes which libraries or modules every child process loads (vLLM, the "
+                "training ranks); set hardware.allow_loader_env=true if that is what you want",
+            )
+        check = KNOWN.get(name)
+        problem = check(str(value)) if check else None
+        if problem:
+            raise ConfigError(where, f"{value!r} is not what {name} takes: {problem}")
