@@ -35,6 +35,7 @@ from runner.core.interrupts import Interrupted, as_interrupted, held_back
 from runner.core.schema import DataSource, register
 from runner.engine.job import rerun_command, run_job
 from runner.engine.stage import Stage
+from runner.integrations.hydra_plugins import expose
 from runner.serving.shared_servers import stop_all
 from runner.tracking.sweep import end_interrupted_sweep
 from stages import REGISTRY  # the composition root: the one module that names the stages
@@ -46,6 +47,7 @@ def compose_root() -> tuple[Stage, ...]:
     and the resolver a Slurm job's setup uses is registered. Idempotent; returns the registry.
     Nothing is registered by importing a module."""
     register(REGISTRY)
+    expose()  # sweeps/ on Hydra's search path from any folder, editable installs included
     # The environment `python -m runner` runs in: a Slurm job's setup activates the same one
     # (conf/hydra/launcher/slurm.yaml).
     if not OmegaConf.has_resolver("runner_python_prefix"):

@@ -5,6 +5,8 @@ scripts themselves (editable install and wheel) are run in tests/test_packaging.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from runner.commands import cli, ls
@@ -116,6 +118,25 @@ def test_the_companions_answer_a_bad_argument_with_one_line_and_exit_2(tmp_path,
     assert report.main(["--output-root", str(empty), "--run", "0123abcd"]) == 2
     assert "report: no run 0123abcd in sqlite" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_sweeps_are_found_from_any_folder(tmp_path):
+    """`-cn <sweep>` from a folder outside the source tree: the sweeps that `ls` lists are on
+    Hydra's search path there too (an editable install hid the plugin from Hydra's scan)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user's shell has it
+    out = subprocess.run(
+        [sys.executable, "-m", "runner", "-cn", "draft_vocab_size", "--info", "searchpath"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "eagle3-runner-sweeps" in out.stdout and "/sweeps" in out.stdout
 
 
 def test_ls_of_a_key_the_schema_leaves_bare_quotes_the_file_that_sets_it(capsys):

@@ -7,6 +7,8 @@ private APIs it touches and the library version they were checked against:
   log); `speculators_slots` the hidden-states backend that reads a subset of slots;
   `speculators_worker` the module torchrun starts on each rank.
 - `runner.integrations.vllm`: vLLM 0.32.0 (does a model class support EAGLE-3).
+- `runner.integrations.hydra_plugins`: hydra-core 1.3.2 (the runner's search-path plugin found
+  by Hydra's plugin scan under an editable install).
 - `runner.integrations.vllm_cpu_connector`: vLLM 0.32.0 (the hidden-states connector on CPU;
   imported by the vLLM server, never by the runner).
 """
