@@ -37,7 +37,7 @@ from runner.engine.job import rerun_command, run_job
 from runner.engine.stage import Stage
 from runner.integrations.hydra_plugins import expose
 from runner.serving.shared_servers import stop_all
-from runner.tracking.sweep import end_interrupted_sweep
+from runner.tracking.sweep import SEARCH_ENV, end_interrupted_sweep
 from stages import REGISTRY  # the composition root: the one module that names the stages
 
 
@@ -83,6 +83,11 @@ def main(cfg: DictConfig) -> float | None:
             f"(change `{exc.key}` in conf/ or on the command line)",
             file=sys.stderr,
         )
+        if multirun and os.environ.get(SEARCH_ENV):
+            # A search cannot go on without this trial's objective: it ends here, FAILED.
+            with held_back():
+                end_interrupted_sweep(cfg, status="FAILED")
+            _exit_now(2)
         if multirun:
             return None
         sys.exit(2)

@@ -303,3 +303,60 @@ def test_a_signal_while_the_sweep_closes_waits_for_its_parent_to_close(monkeypat
     assert stop.value.code == 143 and closed == ["parent closed"]
     assert "interrupted by SIGTERM while the sweep closed" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_sweeps_no_job_can_do_are_refused_before_the_first_job():
+    """A key swept twice, a search with an empty space, or a search that is only planned: one
+    line and exit 2 before any job or MLflow run."""
+    from omegaconf import OmegaConf
+
+    from runner.tracking.sweep import check_sweep
+
+    optuna = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+
+    def config(task, sweeper, plan_only=False):
+        return OmegaConf.create(
+            {
+                "hydra": {"overrides": {"task": task}, "sweeper": sweeper},
+                "run": {"plan_only": plan_only},
+            }
+        )
+
+    for bad in (
+        config(["train.lr=1e-3,3e-3", "train.lr=2e-3"], {}),
+        config([], {"_target_": optuna, "params": {}}),
+        config([], {"_target_": optuna, "params": {"train.lr": "interval(1e-4, 1e-2)"}}, True),
+    ):
+        with pytest.raises(SystemExit) as refused:
+            check_sweep(bad)
+        assert refused.value.code == 2
+    assert check_sweep(config([], {"_target_": optuna, "params": {"train.lr": "range(1,3)"}}))
+    assert not check_sweep(config(["train.lr=1e-3,3e-3", "train.epochs=1"], {}))
+
+
+def test_a_planned_sweep_writes_no_mlflow_run_and_a_search_needs_an_objective(
+    tiny12_model_dir, chats_jsonl, tmp_path
+):
+    planned = run_sweep(
+        tiny12_model_dir, chats_jsonl, tmp_path / "p", "train.lr=1e-3,3e-3", "run.plan_only=true"
+    )
+    assert planned.returncode == 0, planned.stdout[-2000:] + planned.stderr[-2000:]
+    assert planned.stdout.count("plan") >= 2 and not (tmp_path / "p" / "mlflow.db").exists()
+    root = tmp_path / "s"
+    search = run_sweep(
+        tiny12_model_dir,
+        chats_jsonl,
+        root,
+        "-cn",
+        "search",
+        "hydra.sweeper.n_trials=2",
+        "run.stages=[prepare]",
+    )
+    assert search.returncode == 2 and "no stage of this run reports one" in search.stderr
+    assert "Traceback" not in search.stderr
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id])
+    parent = [r for r in runs if r.data.tags.get("sweep.config") == "search"]
+    assert len(parent) == 1 and parent[0].info.status == "FAILED"

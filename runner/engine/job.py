@@ -51,7 +51,7 @@ from runner.tracking.job_tags import (
     SERIES_TAG,
 )
 from runner.tracking.runs import Tracker, process_tags, tracking_uri
-from runner.tracking.sweep import PARENT_ENV, sweep_job_tags, swept_keys
+from runner.tracking.sweep import PARENT_ENV, SEARCH_ENV, sweep_job_tags, swept_keys
 
 log = logging.getLogger("runner")
 # Set: an unexpected error while planning shows its traceback instead of one line.
@@ -184,6 +184,13 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         )
         # Planned once: the pipeline executes this plan, the one printed (no side effects).
         planned = pipeline.plan()
+        if os.environ.get(SEARCH_ENV) and not any(p.stage.objective for p in planned):
+            reporting = [s.name for s in stages if s.objective]
+            raise ConfigError(
+                "run.stages",
+                "a search maximises each trial's objective, and no stage of this run reports "
+                f"one; include {' or '.join(reporting) or 'a stage that declares one'}",
+            )
         plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, layout)
         _echo(plan.render())
         log.info("preflight took %.2f s since start", time.time() - t_start)

@@ -35,7 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner.core.errors import ConfigError
 from runner.core.interrupts import between_jobs, held_back
@@ -48,6 +48,8 @@ from runner.tracking.runs import Tracker, check_store, process_tags, tracking_ur
 log = logging.getLogger("runner")
 # The sweep's parent run id, exported for the jobs (the joblib launcher's too).
 PARENT_ENV = shared_servers.PARENT_ENV
+# Set while a search runs (an Optuna sweeper): each job must report its objective.
+SEARCH_ENV = "EAGLE3_RUNNER_SEARCH"
 
 
 def sweep_job_tags() -> dict[str, str]:
@@ -73,10 +75,12 @@ def _tracking(config: DictConfig) -> tuple[str, str]:
     return tracking_uri(config.tracking.uri, root), str(root)
 
 
-def end_interrupted_sweep(config: DictConfig) -> None:
-    """A signal stopped the sweep (on_multirun_end will not run): its parent run ends KILLED
-    and the server its jobs shared stops, instead of both waiting for a later run."""
+def end_interrupted_sweep(config: DictConfig, status: str = "KILLED") -> None:
+    """A signal (or a search's refused trial) stopped the sweep, so on_multirun_end will not
+    run: its parent run ends KILLED (FAILED) and the server its jobs shared stops, instead of
+    both waiting for a later run."""
     shared_servers.stop_all()
+    os.environ.pop(SEARCH_ENV, None)
     parent = os.environ.pop(PARENT_ENV, None)
     if not parent:
         return
@@ -84,9 +88,48 @@ def end_interrupted_sweep(config: DictConfig) -> None:
 
     uri, _ = _tracking(config)
     try:
-        mlflow.MlflowClient(uri).set_terminated(parent, status="KILLED")
+        mlflow.MlflowClient(uri).set_terminated(parent, status=status)
     except Exception as exc:  # the store's own trouble; the next run marks it
-        log.error("could not mark the sweep's parent run %s KILLED (%s)", parent, exc)
+        log.error("could not mark the sweep's parent run %s %s (%s)", parent, status, exc)
+
+
+def _refuse(key: str, message: str) -> None:
+    """A sweep that no job of can do what it asks: one line and exit 2, before any job runs and
+    before the parent run exists."""
+    print(f"config error: {key}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_sweep(config: DictConfig) -> bool:
+    """What a sweep or a search must be before its first job (exit 2 otherwise); True for a
+    search (an Optuna sweeper, which maximises each job's objective)."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    except Exception:  # Hydra refuses a malformed line itself, with its own message
+        parsed = []
+    seen: dict[str, int] = {}
+    for o in parsed:
+        seen[o.key_or_group] = seen.get(o.key_or_group, 0) + 1
+    # A swept key given again: Hydra would sweep only the last list, or none of it.
+    twice = sorted(
+        {o.key_or_group for o in parsed if o.is_sweep_override() and seen[o.key_or_group] > 1}
+    )
+    if twice:
+        _refuse(
+            twice[0], "is swept and given again on the command line (Hydra would take the last)"
+        )
+    search = "optuna" in str(OmegaConf.select(config, "hydra.sweeper._target_") or "")
+    if search and not (OmegaConf.select(config, "hydra.sweeper.params") or {}):
+        _refuse(
+            "hydra.sweeper.params", "the search space is empty: give at least one setting to search"
+        )
+    if search and config.run.plan_only:
+        _refuse(
+            "run.plan_only",
+            "a search picks each trial from the objectives of the trials before it, which a plan "
+            "does not measure; plan one trial without -m, or run the search",
+        )
+    return search
 
 
 def _swept_title(overrides: list[str]) -> str:
@@ -109,6 +152,10 @@ class SweepCallback(Callback):
         _root_or_exit(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        search = check_sweep(config)
+        if config.run.plan_only:
+            print("plan only: each job prints its plan; no MLflow run is written")
+            return
         import mlflow  # seconds to import; a plain run never needs it here
 
         uri, root = _tracking(config)
@@ -138,6 +185,8 @@ class SweepCallback(Callback):
             },
         )
         os.environ[PARENT_ENV] = run.info.run_id
+        if search:
+            os.environ[SEARCH_ENV] = "1"
         log.info("sweep parent run %s (%s)", run.info.run_id, uri)
 
         def stop(signum: int, _frame: Any) -> None:  # a signal between two jobs
@@ -171,6 +220,7 @@ class SweepCallback(Callback):
         import mlflow  # seconds to import; only a multirun's callback needs it
 
         shared_servers.stop_all()  # the online server the sweep's jobs shared, if any
+        os.environ.pop(SEARCH_ENV, None)
         parent = os.environ.pop(PARENT_ENV, None)
         if not parent:
             return
