@@ -597,3 +597,42 @@ def test_a_misspelled_field_of_a_source_entry_is_refused_with_the_fields_it_take
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "wieght" in proc.stderr and "Traceback" not in proc.stdout + proc.stderr
     assert "data.sources: each entry takes source, num_samples, weight" in proc.stderr
+
+
+def test_a_target_whose_weights_disagree_with_its_config_is_refused_in_the_plan(
+    tmp_path, tiny_model_dir
+):
+    """config.json claiming a layer the weights do not hold (transformers would initialise it at
+    random), an embedding of another shape, and a shard the index names that is missing: each
+    refused before any weight loads, naming model.source and the file."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    data = _chats(tmp_path / "c.jsonl", 6)
+    more = shutil.copytree(tiny_model_dir, tmp_path / "more_layers")
+    conf = json.loads((more / "config.json").read_text())
+    conf["num_hidden_layers"] += 1
+    (more / "config.json").write_text(json.dumps(conf))
+    err = _refusal(more, data, tmp_path / "out")
+    assert err.key == "model.source" and "no weights for layer(s) 4" in err.message, err.message
+    assert "model.safetensors" in err.message
+    wider = shutil.copytree(tiny_model_dir, tmp_path / "wider_vocab")
+    conf = json.loads((wider / "config.json").read_text())
+    conf["vocab_size"] += 64
+    (wider / "config.json").write_text(json.dumps(conf))
+    err = _refusal(wider, data, tmp_path / "out")
+    assert err.key == "model.source" and "embed_tokens.weight" in err.message, err.message
+    sharded = tmp_path / "sharded"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.save_pretrained(sharded, max_shard_size="2MB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_model_dir / name).is_file():
+            shutil.copy(tiny_model_dir / name, sharded / name)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    err = _refusal(sharded, data, tmp_path / "out")
+    assert err.key == "model.source" and shards[-1].name in err.message, err.message
+    assert "model.safetensors.index.json" in err.message

@@ -10,7 +10,10 @@ settings. Both raise `ConfigError` naming the key to change. What depends on thi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from runner.assets.target_facts import Target, weight_bytes
+from runner.assets.weights import check_weights
 from runner.core.errors import ConfigError
 from runner.core.layer_ids import CAPTURE_PRESETS
 from runner.core.schema import RunnerConfig
@@ -91,6 +94,18 @@ def check_target(cfg: RunnerConfig, target: Target, stages: tuple[Stage, ...] = 
 
 def _check_target(cfg: RunnerConfig, target: Target) -> None:
     m, facts, layout = cfg.model, target.facts, target.layout
+    folder = Path(facts.path)
+    if folder.is_dir():  # a local folder (a packaged GGUF's once converted): its weights' headers
+        check_weights(
+            folder,
+            layout.layers,
+            layout.embed,
+            {
+                "num_layers": layout.num_layers,
+                "hidden_size": layout.hidden_size,
+                "vocab_size": layout.vocab_size,
+            },
+        )
     reasons = target.remote_code_reasons
     if reasons and not m.trust_remote_code:
         raise ConfigError(
