@@ -161,6 +161,7 @@ def test_wrong_type_is_rejected_with_its_name():
         ),
         (["+hardware.env.CUDA_VISIBLE_DEVICES=first"], "hardware.env.CUDA_VISIBLE_DEVICES"),
         (["tracking.experiment=" + "x" * 1000], "tracking.experiment"),
+        (["eval.num_speculative_tokens=1000"], "eval.num_speculative_tokens"),
     ],
 )
 def test_impossible_values_fail_before_anything_loads(overrides, key):

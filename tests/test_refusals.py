@@ -636,3 +636,50 @@ def test_a_target_whose_weights_disagree_with_its_config_is_refused_in_the_plan(
     err = _refusal(sharded, data, tmp_path / "out")
     assert err.key == "model.source" and shards[-1].name in err.message, err.message
     assert "model.safetensors.index.json" in err.message
+
+
+def test_a_draft_made_for_another_target_is_refused_before_any_server_starts(
+    tmp_path, tiny_model_dir
+):
+    """eval.draft read from its config.json and its weights' header: another hidden size, a
+    vocabulary mapping for another vocabulary and layer ids the target does not have are
+    named in one line, in the plan."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    data = _chats(tmp_path / "c.jsonl", 6)
+    conf = json.loads((tiny_model_dir / "config.json").read_text())
+    hidden, vocab = conf["hidden_size"], conf["vocab_size"]
+
+    def draft(name: str, h: int, v: int, aux: list[int]) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(
+            json.dumps(
+                {
+                    "transformer_layer_config": {"hidden_size": h},
+                    "eagle_aux_hidden_state_layer_ids": aux,
+                }
+            )
+        )
+        save_file(
+            {
+                "t2d": torch.zeros(v, dtype=torch.bool),
+                "d2t": torch.zeros(32, dtype=torch.int64),
+                "lm_head.weight": torch.zeros(32, h),
+            },
+            str(folder / "model.safetensors"),
+        )
+        return folder
+
+    stages = "run.stages=[evaluate]"
+    other = draft("other", hidden * 2, vocab + 100, [1, 2, 40])
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", stages, f"eval.draft={other}")
+    assert err.key == "eval.draft" and "was not made for this target" in err.message
+    assert f"hidden size is {hidden * 2}" in err.message and f"{vocab + 100} tokens" in err.message
+    assert "[40]" in err.message, err.message
+    fits = draft("fits", hidden, vocab, [1, 2, 3])
+    planned = _plan(tiny_model_dir, data, tmp_path / "out", stages, f"eval.draft={fits}")
+    assert planned is not None

@@ -751,6 +751,11 @@ def prompt_set_name(source: str) -> str:
     return source.rstrip("/").rsplit("/", 1)[-1].removesuffix(".jsonl").removesuffix(".json")
 
 
+# The most draft tokens a step evaluates (eval.num_speculative_tokens): published EAGLE-3 drafts
+# are served at k of 3 to 8.
+SPECULATIVE_TOKENS_MAX = 32
+
+
 @dataclass
 class RegenerateConfig:
     # none, vllm or transformers (stages/regenerate/).
@@ -853,6 +858,13 @@ class EvalConfig:
             "speed_prompts",
         ):
             _at_least(f"eval.{key}", getattr(self, key), 1)
+        if self.num_speculative_tokens > SPECULATIVE_TOKENS_MAX:
+            raise ConfigError(
+                "eval.num_speculative_tokens",
+                f"{self.num_speculative_tokens} is more than {SPECULATIVE_TOKENS_MAX}: vLLM's "
+                "config takes any positive k and a large one fails only once the target has "
+                "loaded, while an EAGLE-3 draft's acceptance is near zero after a few positions",
+            )
         if self.speed_repeats is not None:
             _at_least("eval.speed_repeats", self.speed_repeats, 0)
         _at_least("eval.speed_pass_s", self.speed_pass_s, 0)

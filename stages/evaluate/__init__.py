@@ -36,6 +36,7 @@ from runner.engine import costs
 from runner.engine.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.integrations.versions import VLLM_DISTS
 from runner.serving.vllm_server import shell_command
+from stages.evaluate.draft_fit import misfits
 from stages.evaluate.heldout import HELDOUT
 from stages.evaluate.measures import (
     acceptance,
@@ -323,6 +324,12 @@ def plan(p: Plan, view: PlanView) -> None:
             p.error(
                 "eval.draft",
                 f"{cfg.eval.draft} holds no draft (config.json and model.safetensors)",
+            )
+        elif wrong := misfits(Path(cfg.eval.draft).expanduser(), view.target.layout):
+            p.error(
+                "eval.draft",
+                f"{cfg.eval.draft} was not made for this target ({cfg.model.source}): "
+                + "; ".join(wrong),
             )
         else:
             p.add("draft", f"{cfg.eval.draft} (trained elsewhere: no teacher-forced estimate)")
