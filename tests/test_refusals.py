@@ -683,3 +683,49 @@ def test_a_draft_made_for_another_target_is_refused_before_any_server_starts(
     fits = draft("fits", hidden, vocab, [1, 2, 3])
     planned = _plan(tiny_model_dir, data, tmp_path / "out", stages, f"eval.draft={fits}")
     assert planned is not None
+
+
+# A template in the style of several real ones (Gemma's among them): no system role, and here
+# a word it refuses, which the plan cannot foresee.
+REFUSING_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% if 'FORBIDDEN' in m['content'] %}{{ raise_exception('this word is refused') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_chat_template_that_refuses_the_datas_turns_is_named(tmp_path, tiny_model_dir):
+    """Data with system turns and a template that refuses them: refused in the plan, naming
+    the data file and the key. A conversation the template refuses that the plan cannot foresee
+    ends prepare with one line naming the conversation and model.chat_template, nothing
+    published."""
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    conf_file = model / "tokenizer_config.json"
+    conf = json.loads(conf_file.read_text())
+    conf["chat_template"] = REFUSING_TEMPLATE
+    conf_file.write_text(json.dumps(conf))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    system = tmp_path / "system.jsonl"
+    turns = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello there."},
+    ]
+    system.write_text("\n".join(json.dumps({"messages": turns}) for _ in range(6)) + "\n")
+    err = _refusal(model, system, tmp_path / "out", "run.stages=[prepare]")
+    assert err.key == "model.source" and "system turn" in err.message, err.message
+    assert "System role not supported" in err.message and str(system) in err.message
+    refused = tmp_path / "refused.jsonl"
+    rows = [turns[1:]] * 3 + [[{"role": "user", "content": "FORBIDDEN?"}, turns[2]]] + [turns[1:]]
+    refused.write_text("\n".join(json.dumps({"messages": r}) for r in rows) + "\n")
+    with pytest.raises(ConfigError) as info:
+        run_job(compose(tiny(model, refused, tmp_path / "out2", "run.stages=[prepare]")))
+    assert info.value.key == "model.chat_template", info.value.message
+    assert "starts 'FORBIDDEN?'" in info.value.message and "this word is refused" in (
+        info.value.message
+    )
+    assert not list((tmp_path / "out2" / "store").glob("prepare/*/manifest.json"))

@@ -487,7 +487,7 @@ def inspect_local(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any] | Non
         return None
     cache = _load_cache(cache_dir)
     entry = _file_entry(path, cache)
-    key = f"{entry['sha256']}|{data_cfg.column}|{data_cfg.on_bad_row}|{data_cfg.multimodal}"
+    key = f"{entry['sha256']}|{data_cfg.column}|{data_cfg.on_bad_row}|{data_cfg.multimodal}|2"
     seen = cache.setdefault("inspections", {})
     if key not in seen:
         conv = read_conversations(
@@ -503,6 +503,8 @@ def inspect_local(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any] | Non
         seen[key] = {
             "rows": conv.rows_read,
             "usable": len(conv.turns),
+            # Conversations with a system turn: the plan checks the chat template renders one.
+            "system_rows": sum(any(t["role"] == "system" for t in c) for c in conv.turns),
             "dropped": dict(conv.dropped),
             "examples": conv.examples,
             "media_parts_dropped": conv.media_dropped,

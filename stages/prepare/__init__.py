@@ -63,6 +63,15 @@ log = logging.getLogger("runner")
 key_config = data_key  # the conversations selected are prepare's key
 
 
+# One short chat turn: what the plan renders to check the template and measure a turn.
+ONE_TURN = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+
+
+class TemplateRefused(ValueError):
+    """The chat template raised on a conversation (Jinja's raise_exception, a missing variable):
+    the data holds what the template does not take."""
+
+
 class TemplateMismatch(ValueError):
     """The chat template renders a prefix differently once later turns follow."""
 
@@ -118,6 +127,13 @@ def _tokenize_or_none(
         return tokenize_conversation(tok, turns, max_len, kwargs)
     except TemplateMismatch:
         return None
+    except Exception as exc:  # the template refused it: named by the caller, with its source
+        roles = ", ".join(t["role"] for t in turns)
+        first = next((str(t["content"]) for t in turns if t["role"] == "user"), "")
+        raise TemplateRefused(
+            f"the one whose first user turn starts {first[:60]!r} (turns: {roles}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _tokenize_chunk(chunk: list[list[dict]], max_len: int, kwargs: dict) -> list[Any]:
@@ -195,6 +211,21 @@ def _tokenized(
             f.cancel()
 
 
+def _refusals_named(
+    tokenized: Iterator[tuple[list[dict], Any]], src: Source
+) -> Iterator[tuple[list[dict], Any]]:
+    """`tokenized`, with a conversation the chat template refuses named by its source and its
+    first words, and the key to change: one line, nothing published."""
+    try:
+        yield from tokenized
+    except TemplateRefused as exc:
+        raise ConfigError(
+            "model.chat_template",
+            f"the chat template refuses a conversation of {src.cfg.source}, {exc}; give a "
+            "template that renders it, or data without it",
+        ) from None
+
+
 def marked_text(tok: Any, ids: list[int], mask: list[int]) -> str:
     """Decode a row with supervised spans wrapped in [[ ]] for a human check of the mask."""
     out, cur, state = [], [], 0
@@ -221,7 +252,7 @@ def _take(src: Source, tok: Any, kwargs: dict, bar: Any, pool: Pool | None) -> d
     # Rows dropped while reading (read.dropped) and here, by reason.
     dropped = Counter({"template_mismatch": 0, "truncated": 0, "few_assistant_tokens": 0})
     truncated = multi_turn = used = 0
-    tokenized = _tokenized(read.turns, tok, d.max_seq_len, kwargs, pool)
+    tokenized = _refusals_named(_tokenized(read.turns, tok, d.max_seq_len, kwargs, pool), src)
     for turns, out in tokenized:
         if len(rows) >= src.quota:
             break
@@ -398,33 +429,65 @@ def plan(p: Plan, view: PlanView) -> None:
             + ", ".join(f"{s.name} {s.quota} rows" for s in mix)
             + f" (shuffled together, seed {view.cfg.data.seed})",
         )
-    for src in mix:
-        _plan_source(p, src, cache_dir(view.cfg))
+    system = [src for src in mix if _plan_source(p, src, cache_dir(view.cfg))]
+    if system:
+        problem = _system_turn_problem(view.cfg, view.target)
+        if problem:
+            key = "model.chat_template" if view.cfg.model.chat_template else "model.source"
+            p.error(
+                key,
+                f"{system[0].cfg.source} has conversations with a system turn, and the target's "
+                f"chat template refuses one ({problem}); give a template that takes a system "
+                "turn (model.chat_template), or data without them",
+            )
 
 
-def _plan_source(p: Plan, src: Source, cache: Path) -> None:
+SYSTEM_TURN = [{"role": "system", "content": "Be brief."}, *ONE_TURN]
+
+
+def _system_turn_problem(cfg: RunnerConfig, target: Target) -> str | None:
+    """Why the target's chat template cannot render a conversation that opens with a system
+    turn, or None (measured once per tokenizer and template)."""
+    kwargs = {**cfg.model.chat_template_kwargs, **cfg.data.chat_template_kwargs}
+
+    def measure() -> dict[str, Any] | None:
+        found = plan_tokenizer(cfg, target)
+        if found is None:
+            return None
+        try:
+            render(found[0], SYSTEM_TURN, False, kwargs)
+        except Exception as exc:  # Jinja's raise_exception, a missing variable
+            return {"problem": f"{type(exc).__name__}: {exc}"}
+        return {"problem": None}
+
+    m = remembered(cfg, target, "system_turn", kwargs, measure)
+    return None if m is None else m["problem"]
+
+
+def _plan_source(p: Plan, src: Source, cache: Path) -> bool:
+    """The source's lines in the plan; True where its rows hold a system turn."""
     d = src.cfg
     assert d.source is not None
     key = functools.partial(key_of, src)
     if d.source.startswith(("package:",)):
-        return
+        return False
     try:
         seen = inspect_local(d, cache)
     except ConfigError as exc:
         p.error(key(exc.key), exc.message)
-        return
+        return False
     if seen is None:
         problem = hub_problem(d)
         if problem:
             p.error(key("data.source"), f"hub dataset {d.source!r}: {problem}")
-            return
+            return False
         if not d.revision:
             p.warn(
                 key("data.revision"),
                 f"hub dataset {d.source} is not pinned: its cached prepare result is reused even "
                 "if the dataset changes upstream; set data.revision to a commit",
             )
-        return
+        return False
     dropped = ", ".join(f"{k} {v}" for k, v in seen["dropped"].items()) or "none"
     p.add(
         "data",
@@ -436,6 +499,7 @@ def _plan_source(p: Plan, src: Source, cache: Path) -> None:
             key("data.num_samples"),
             f"{src.quota} asked but {d.source} has {seen['usable']} usable conversations",
         )
+    return bool(seen.get("system_rows"))
 
 
 def check_target(cfg: RunnerConfig, target: Target) -> None:
@@ -453,7 +517,6 @@ def check_target(cfg: RunnerConfig, target: Target) -> None:
 
 
 # One chat turn, the least a row must hold.
-ONE_TURN = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
 
 
 def check_tokenizer(cfg: RunnerConfig, target: Target) -> None:
