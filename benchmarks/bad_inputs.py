@@ -75,7 +75,7 @@ LLAMA = {  # a valid config.json of a small 30-layer Llama with SmolLM2's vocabu
 
 def round_three_files(folder: Path, root: Path) -> dict[str, Path]:
     """Target folders, prompt files, data and MLflow stores, each with one kind of damage (the
-    round-three classes of docs/robustness.md). `root` is the warm plan's, whose cache holds the
+    round-three classes of docs/bad-input.md). `root` is the warm plan's, whose cache holds the
     default GGUF's tokenizer as a plain folder."""
     out: dict[str, Path] = {}
 
@@ -175,6 +175,121 @@ def round_three(f: dict[str, Path]) -> list[tuple[str, list[str]]]:
         ("model name ..", [*plan, "model.name=.."]),
         # Data
         ("data: nested 100,000 deep", [*plan, "data=local_file", f"data.source={f['deep.jsonl']}"]),
+    ]
+
+
+REFUSES_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def round_four_files(folder: Path, root: Path) -> dict[str, Path]:
+    """The round-four classes (docs/bad-input.md): stores, target folders whose weights disagree
+    with their config, a draft for another target, data a template refuses."""
+    import mlflow
+    import torch
+    from safetensors.torch import save_file
+
+    out: dict[str, Path] = {}
+    (kept,) = (root / "cache" / "gguf_tokenizers").iterdir()
+
+    def target(name: str, layers: int, shards: int = 1, template: str | None = None) -> Path:
+        d = folder / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(LLAMA))
+        for f in kept.iterdir():
+            shutil.copy2(f, d / f.name)
+        if template is not None:
+            conf = json.loads((d / "tokenizer_config.json").read_text())
+            conf["chat_template"] = template
+            (d / "tokenizer_config.json").write_text(json.dumps(conf))
+            (d / "chat_template.jinja").unlink(missing_ok=True)
+        tensors = {"model.embed_tokens.weight": torch.zeros(LLAMA["vocab_size"], 64)}
+        tensors.update({f"model.layers.{i}.mlp.w": torch.zeros(2) for i in range(layers)})
+        if shards == 1:
+            save_file(tensors, str(d / "model.safetensors"))
+        else:
+            names = sorted(tensors)
+            weight_map = {}
+            for k in range(shards):
+                shard = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+                part = {n: tensors[n] for n in names[k::shards]}
+                save_file(part, str(d / shard))
+                weight_map.update({n: shard for n in part})
+            (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+            (d / f"model-{shards:05d}-of-{shards:05d}.safetensors").unlink()
+        out[name] = d
+        return d
+
+    target("fewer_layers_than_config", 3)
+    target("shard_missing", 30, shards=3)
+    target("template_refuses_system", 30, template=REFUSES_SYSTEM)
+    system = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi?"},
+            {"role": "assistant", "content": "Hello."},
+        ]
+    }
+    (folder / "system.jsonl").write_text((json.dumps(system) + "\n") * 20)
+    out["system.jsonl"] = folder / "system.jsonl"
+    draft = folder / "draft_for_another_target"
+    draft.mkdir()
+    (draft / "config.json").write_text(
+        json.dumps(
+            {
+                "transformer_layer_config": {"hidden_size": 7168},
+                "eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+            }
+        )
+    )
+    save_file(
+        {"t2d": torch.zeros(163840, dtype=torch.bool), "d2t": torch.zeros(32, dtype=torch.int64)},
+        str(draft / "model.safetensors"),
+    )
+    out["draft"] = draft
+    (folder / "empty.db").write_bytes(b"")
+    out["empty.db"] = folder / "empty.db"
+    client = mlflow.MlflowClient(f"sqlite:///{folder / 'whole.db'}")
+    client.create_experiment("eagle3")
+    (folder / "cut.db").write_bytes((folder / "whole.db").read_bytes()[: 3 * 4096])
+    out["cut.db"] = folder / "cut.db"
+    return out
+
+
+def round_four(f: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    plan = ["run.plan_only=true"]
+
+    def hf(name: str, *more: str) -> list[str]:
+        return [*plan, "model=hf", f"model.source={f[name]}", "model.name=t", *more]
+
+    return [
+        # MLflow stores never replaced
+        ("tracking store emptied (0 bytes)", [*plan, f"tracking.uri=sqlite:///{f['empty.db']}"]),
+        ("tracking store cut short", [*plan, f"tracking.uri=sqlite:///{f['cut.db']}"]),
+        ("experiment name 1,000 characters", [*plan, "tracking.experiment=" + "x" * 1000]),
+        # Target folders as a whole
+        ("config.json claims more layers than the weights", hf("fewer_layers_than_config")),
+        ("a shard the index names is missing", hf("shard_missing")),
+        (
+            "template refuses the data's system turns",
+            hf("template_refuses_system", "data=local_file", f"data.source={f['system.jsonl']}"),
+        ),
+        # Drafts against their target
+        (
+            "eval.draft made for another target",
+            [*plan, f"eval.draft={f['draft']}", "run.stages=[evaluate]"],
+        ),
+        ("1,000 speculative tokens", [*plan, "eval.num_speculative_tokens=1000"]),
+        # The environment children run in
+        ("LD_PRELOAD in hardware.env", [*plan, "+hardware.env.LD_PRELOAD=/tmp/x.so"]),
+        ("NCCL_P2P_LEVEL nonsense", [*plan, "+hardware.env.NCCL_P2P_LEVEL=SYSTEM"]),
+        # Sweeps and searches no job can do
+        ("a swept key given twice", ["-m", *plan, "train.lr=1e-3,3e-3", "train.lr=2e-3"]),
+        ("a search only planned", ["-m", "-cn", "search", *plan]),
     ]
 
 
@@ -281,6 +396,7 @@ def main() -> int:
         print(f"{label}: exit {code} in {seconds:.2f} s")
     rows = []
     every = cases(data_files(folder)) + round_three(round_three_files(folder, root))
+    every += round_four(round_four_files(folder, root))
     for i, (label, overrides) in enumerate(every, start=1):
         code, seconds, stderr = run(overrides, root, args.timeout)
         trace = "Traceback" in stderr

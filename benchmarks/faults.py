@@ -84,6 +84,9 @@ def main() -> int:
         (signal.SIGINT, "extract", "[extract] running"),
         (signal.SIGTERM, "train", "'global_step': 3"),
         (signal.SIGINT, "train", "'global_step': 3"),
+        (signal.SIGHUP, "extract", "[extract] running"),  # the terminal closed
+        (signal.SIGUSR1, "extract", "[extract] running"),  # no scheduler answers it here
+        (signal.SIGUSR2, "train", "'global_step': 3"),
         (signal.SIGKILL, "extract", "[extract] running"),
     ]:
         root = base / f"{signal.Signals(sig).name}-{stage}"
@@ -285,6 +288,37 @@ def main() -> int:
         _line(got.stdout + got.stderr, "was copied or moved"),
         _statuses(copy),
         f"files of the original changed or added: {len(touched)}",
+        "-",
+    )
+
+    # The root's MLflow store emptied beneath it: refused, never replaced by a new empty one.
+    (copy / "mlflow.db").write_bytes(b"")
+    got = run_runner([*_cmd(model, data, copy), "run.stages=[prepare,extract]"])
+    row(
+        "the copy's mlflow.db truncated to 0 bytes",
+        "the plan",
+        got.returncode,
+        _line(got.stderr, "config error"),
+        "(no run: refused in the plan)",
+        f"mlflow.db {(copy / 'mlflow.db').stat().st_size} bytes",
+        "-",
+    )
+
+    # A whole root moved (the original gone), then published: its own draft, where it now lies.
+    full, moved = base / "root-full", base / "root-moved"
+    assert run_runner(_cmd(model, data, full)).returncode == 0
+    shutil.move(str(full), str(moved))
+    out = base / "published"
+    got = run_runner(
+        [sys.executable, "-m", "runner.commands.publish", str(out), "--output-root", str(moved)]
+    )
+    row(
+        "output root moved, then publish",
+        "publish",
+        got.returncode,
+        _line(got.stdout + got.stderr, "published", "publish:"),
+        "-",
+        f"draft published: {(out / 'model.safetensors').is_file()}",
         "-",
     )
 
