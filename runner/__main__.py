@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.core.errors import ConfigError, StageError
 from runner.core.interrupts import Interrupted, as_interrupted, held_back
-from runner.core.schema import DataSource, register
+from runner.core.schema import DataSource, did_you_mean, register, schema_for
 from runner.engine.job import rerun_command, run_job
 from runner.engine.stage import Stage
 from runner.integrations.hydra_plugins import expose
@@ -52,6 +52,12 @@ def compose_root() -> tuple[Stage, ...]:
     # (conf/hydra/launcher/slurm.yaml).
     if not OmegaConf.has_resolver("runner_python_prefix"):
         OmegaConf.register_new_resolver("runner_python_prefix", lambda: sys.prefix)
+    # `--help` lists the stages as the registry has them.
+    if not OmegaConf.has_resolver("runner_stages"):
+        OmegaConf.register_new_resolver(
+            "runner_stages",
+            lambda: ", ".join(f"{s.name}{' (optional)' if s.enabled else ''}" for s in REGISTRY),
+        )
     return REGISTRY
 
 
@@ -141,6 +147,12 @@ def entry() -> None:
     except SystemExit as exc:
         if exc.code == 1 and not _composed:
             print("(a config error: change the key Hydra names above)", file=sys.stderr)
+            schema = schema_for(REGISTRY)
+            for arg in sys.argv[1:]:
+                if "=" in arg and not arg.startswith("-"):
+                    near = did_you_mean(arg, schema)
+                    if near:
+                        print(f"(did you mean {near}?)", file=sys.stderr)
             if any(a.lstrip("+~").startswith("data.sources") for a in sys.argv[1:]):
                 # Hydra names a misspelled field of an entry without the list it sits in.
                 fields = ", ".join(f.name for f in dataclasses.fields(DataSource))

@@ -143,3 +143,31 @@ def test_ls_of_a_key_the_schema_leaves_bare_quotes_the_file_that_sets_it(capsys)
     code, out, _ = _dispatch(capsys, "ls", "train.lr", "hardware=gpu1")
     assert code == 0 and "set in:  conf/train/eagle3_gpu.yaml" in out
     assert "speculators' default" in out  # the comment on its line there
+
+
+def test_cp_copies_a_preset_to_edit_and_says_how_to_use_it(tmp_path, capsys):
+    """`eagle3-runner cp train/eagle3_gpu DIR/train/long.yaml`: the shipped file copied, and the
+    printed command composes the edited copy (torchtune's `tune cp`)."""
+    import subprocess
+    import sys
+
+    from runner.commands import cp
+
+    dest = tmp_path / "mine" / "train" / "long.yaml"
+    assert cp.main(["train/eagle3_gpu", str(dest)]) == 0
+    said = capsys.readouterr().out
+    assert f"--config-dir {tmp_path / 'mine'} train=long" in said
+    dest.write_text(dest.read_text().replace("epochs: 10", "epochs: 7"))
+    out = subprocess.run(
+        [sys.executable, "-m", "runner", *said.split("eagle3-runner ")[1].split(), "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "  epochs: 7" in out.stdout, out.stderr[-2000:]
+    assert cp.main(["sweeps/capture_layers", str(tmp_path / "s.yaml")]) == 0
+    assert "-m --config-dir" in capsys.readouterr().out
+    for bad in (["train/nope", str(tmp_path / "x.yaml")], ["train/eagle3_gpu", str(dest)]):
+        with pytest.raises(SystemExit) as refused:
+            cp.main(bad)
+        assert refused.value.code == 2

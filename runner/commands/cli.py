@@ -2,6 +2,7 @@
 
     eagle3-runner [group=option ...] [key=value ...]   the pipeline (Hydra; `-m` for a sweep)
     eagle3-runner ls [GROUP | KEY] [overrides]          config groups, sweeps, one key's help
+    eagle3-runner cp GROUP/OPTION FILE                  a preset or sweep as a file to edit
     eagle3-runner publish OUT [--run ID]                a trained draft as a hub folder with a card
     eagle3-runner transfer pack|unpack SRC OUT --target T
     eagle3-runner report [RUN_ID]                       a run's or a sweep's table
@@ -24,6 +25,7 @@ from collections.abc import Callable
 # Subcommand -> the module whose `main(argv) -> int` runs it.
 SUBCOMMANDS = {
     "ls": "runner.commands.ls",
+    "cp": "runner.commands.cp",
     "publish": "runner.commands.publish",
     "transfer": "runner.assets.transfer",
     "report": "runner.commands.report",

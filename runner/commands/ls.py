@@ -23,7 +23,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-_REPO = Path(__file__).resolve().parent.parent
+from runner import SOURCE_ROOT
+
+_REPO = SOURCE_ROOT
 
 
 def config_folder(name: str) -> Path:

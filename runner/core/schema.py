@@ -19,11 +19,13 @@ auxiliary layers only; the runner always appends n.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import logging
 import math
 import os
 import shutil
+import typing
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -1107,9 +1109,11 @@ def check_known_keys(node: DictConfig, schema: type[RunnerConfig] | None = None)
             if key == "_target_":
                 raise ConfigError(full, "the runner instantiates no classes from config; remove it")
             if key not in list(schema.keys()):
-                known = ", ".join(sorted(str(k) for k in schema))
+                known = sorted(str(k) for k in schema)
                 where = prefix.rstrip(".") or "the root"
-                raise ConfigError(full, f"unknown key; {where} takes: {known}")
+                near = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"did you mean {prefix}{near[0]}? " if near else ""
+                raise ConfigError(full, f"unknown key; {hint}{where} takes: {', '.join(known)}")
             child = schema.get(key) if OmegaConf.is_dict(schema) else None
             if (
                 isinstance(child, DictConfig)
@@ -1119,6 +1123,23 @@ def check_known_keys(node: DictConfig, schema: type[RunnerConfig] | None = None)
                 walk(sub[key], child, full + ".")
 
     walk(node, OmegaConf.structured(schema or _REGISTERED[0]), "")
+
+
+def did_you_mean(key: str, schema: type[RunnerConfig]) -> str | None:
+    """The schema's key closest to a dotted `key` it does not know (`train.lrr` -> `train.lr`),
+    else None."""
+    owner: Any = schema
+    parts = key.lstrip("+~").split("=", 1)[0].split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(owner):
+            return None
+        fields = {f.name: f for f in dataclasses.fields(owner)}
+        if part not in fields:
+            near = difflib.get_close_matches(part, list(fields), n=1)
+            return ".".join([*parts[:i], near[0]]) if near else None
+        kind = typing.get_type_hints(owner).get(part)
+        owner = kind if dataclasses.is_dataclass(kind) else None
+    return None
 
 
 def typed(

@@ -29,6 +29,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from runner import SOURCE_ROOT
 from runner.assets.sources import resolve_model
 from runner.assets.target_facts import Target, resolve_target
 from runner.core.errors import ConfigError, StageError
@@ -56,7 +57,7 @@ from runner.tracking.sweep import PARENT_ENV, SEARCH_ENV, sweep_job_tags, swept_
 log = logging.getLogger("runner")
 # Set: an unexpected error while planning shows its traceback instead of one line.
 TRACEBACK_ENV = "EAGLE3_RUNNER_TRACEBACK"
-REPO = Path(__file__).resolve().parent.parent
+REPO = SOURCE_ROOT
 
 
 @dataclass

@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runner import SOURCE_ROOT
 from runner.core.interrupts import STOP_SIGNALS, foreign, handling
 from runner.processes.process import ManagedProcess
 
 log = logging.getLogger("runner")
-REPO = Path(__file__).resolve().parent.parent
+REPO = SOURCE_ROOT
 
 
 def resume_hint(scratch: Path, rerun_command: str) -> str:

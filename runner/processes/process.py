@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from runner import SOURCE_ROOT
+
 log = logging.getLogger("runner")
 _PR_SET_PDEATHSIG = 1
 
@@ -62,7 +64,7 @@ def _raise_system_exit(signum: int, _frame: Any) -> None:
 def _start_reaper(pid: int) -> subprocess.Popen | None:
     """runner/processes/reaper.py for the child `pid`: kills its whole tree at once if the runner
     dies."""
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(SOURCE_ROOT)
     path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
     try:
         return subprocess.Popen(

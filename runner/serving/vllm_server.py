@@ -46,6 +46,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from runner import SOURCE_ROOT
 from runner.core.errors import StageError
 from runner.core.schema import RunnerConfig
 from runner.processes.process import ManagedProcess
@@ -304,7 +305,7 @@ class VllmServer(_ServerApi):
             **(env or {}),
         }
         # The CPU hidden-states connector is imported by module path inside the server.
-        root = str(Path(__file__).resolve().parent.parent)
+        root = str(SOURCE_ROOT)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         return cls(
             command, env, log_path, label, v.ready_timeout_s, v.stop_timeout_s, cwd=Path(root)
