@@ -427,10 +427,13 @@ def test_a_target_folder_that_cannot_be_read_is_refused_naming_it(
 
 
 def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
     model = _copy_model(tiny_model_dir, tmp_path / "model")
-    config = json.loads((model / "config.json").read_text())
-    config["vocab_size"] = 1000  # SmolLM2's tokenizer knows 49,152 tokens
-    (model / "config.json").write_text(json.dumps(config))
+    # Weights and config.json of 1,000 rows (they agree): SmolLM2's tokenizer knows 49,152.
+    small = AutoModelForCausalLM.from_pretrained(model)
+    small.resize_token_embeddings(1000)
+    small.save_pretrained(model)
     data = _chats(tmp_path / "c.jsonl", 6)
     err = _refusal(model, data, tmp_path / "out", "vocab.draft_vocab_size=256")
     assert err.key == "model.source" and "1000 rows" in err.message

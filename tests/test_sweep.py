@@ -111,6 +111,21 @@ def test_report_prints_the_table_from_mlflow(sweep):
     lines = out.stdout.splitlines()
     assert lines[0].startswith("sweep capture_x_vocab")
     assert sum(1 for line in lines if "[6, 9, 10, 12]" in line) == 3
+    # The table fits 120 columns and names what it left out; --csv and --json hold everything.
+    assert all(len(line) <= 120 for line in lines[1:]), max(lines[1:], key=len)
+    assert "more column(s)" in out.stdout
+
+    def report(*flags: str) -> str:
+        cmd = [sys.executable, "-m", "runner.commands.report", "--output-root", str(root), *flags]
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    rows = json.loads(report("--json"))
+    assert len(rows) == 9 and all("vocab_coverage" in r for r in rows)
+    table = report("--csv").splitlines()
+    assert len(table) == 10 and table[0].split(",")[: len(rows[0])] == list(rows[0])
+    assert any(len(line) > 120 for line in report("--wide").splitlines())
 
 
 def test_publishing_a_sweep_parent_without_an_evaluation_lists_its_children(sweep, tmp_path):

@@ -228,4 +228,7 @@ def test_two_nodes_train_as_one_job_and_resume_after_one_node_is_killed(
     assert follower.returncode == 0, follower_out[-3000:]
     assert "joining attempt 2" in follower_out
     metrics, _ = train_result(tmp_path)
-    assert metrics["ranks"] == 2 and metrics["resumes"] == 1 and metrics["steps_redone"] >= 1
+    # Resumed from a checkpoint (the steps redone are 0 when node 1 died right after one, which
+    # a loaded machine makes likely: both nodes finish the step they are in first).
+    assert metrics["ranks"] == 2 and metrics["resumes"] == 1 and metrics["steps_redone"] >= 0
+    assert "[train] resuming from" in out, out[-3000:]

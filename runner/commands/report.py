@@ -1,9 +1,11 @@
 """Print a sweep's comparison table, or one run's results, from MLflow:
-`python -m runner.commands.report [RUN_ID]`.
+`python -m runner.commands.report [RUN_ID]`. The table fits 120 columns (`--wide` for all of them);
+`--csv` and `--json` print every column for a spreadsheet or a script.
 
 RUN_ID may be a sweep's parent run (its jobs are compared) or any single run (its row alone).
 Without an id, the newest run of the experiment is shown: a sweep parent if it is one. The
-store is only read: a missing one is an error, never created. Options:
+store is only read (a copied or moved root's records are first pointed at it): a missing one is
+an error, never created. Options:
     --tracking-uri URI   (default: $MLFLOW_TRACKING_URI, else sqlite:///<output root>/mlflow.db)
     --output-root DIR    (default: $EAGLE3_RUNNER_HOME, else ./outputs)
     --experiment NAME    (default: eagle3)
@@ -12,12 +14,15 @@ store is only read: a missing one is an error, never created. Options:
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from runner.core.layout import default_root
 from runner.tracking.runs import follow_moved_root, missing_store, tracking_uri
-from runner.tracking.sweep import comparison_rows, render_table, run_row
+from runner.tracking.sweep import TABLE_WIDTH, comparison_rows, render_table, run_row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tracking-uri")
     ap.add_argument("--output-root", default=default_root())
     ap.add_argument("--experiment", default="eagle3")
+    form = ap.add_mutually_exclusive_group()
+    form.add_argument("--wide", action="store_true", help="every column, however wide")
+    form.add_argument("--csv", action="store_true", help="the rows as CSV, every column")
+    form.add_argument("--json", action="store_true", help="the rows as JSON, every column")
     args = ap.parse_args(argv)
     args.parent = args.parent or args.run_id
     root = Path(args.output_root).expanduser().resolve()
@@ -63,19 +72,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: no run {run_id} in {uri}", file=sys.stderr)
         return 2
     tags = run.data.tags
-    if "sweep.config" in tags:
+    sweep = "sweep.config" in tags
+    rows = comparison_rows(client, run_id) if sweep else [run_row(run, [])]
+    if args.csv or args.json:
+        _machine(rows, "csv" if args.csv else "json")
+        return 0
+    width = None if args.wide else TABLE_WIDTH
+    if sweep:
         print(
             f"sweep {tags.get('sweep.config', '?')} ({run_id}, {run.info.status}): "
             f"{tags.get('sweep.overrides', '')}"
         )
-        print(render_table(comparison_rows(client, run_id)))
+        print(render_table(rows, width))
     else:
         print(f"run {tags.get('mlflow.runName', '')} ({run_id}, {run.info.status})")
-        print(render_table([run_row(run, [])]))
+        print(render_table(rows, width))
         note = tags.get("mlflow.note.content")
         if note:
             print(note.strip("`\n"))
     return 0
+
+
+def _machine(rows: list[dict[str, Any]], form: str) -> None:
+    """Every column of every row on stdout, for a spreadsheet or a script."""
+    if form == "json":
+        print(json.dumps(rows, indent=2, default=str))
+        return
+    cols = list(dict.fromkeys(c for r in rows for c in r))
+    writer = csv.DictWriter(sys.stdout, fieldnames=cols, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
 
 
 if __name__ == "__main__":

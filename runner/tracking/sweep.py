@@ -362,19 +362,37 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def render_table(rows: list[dict[str, Any]]) -> str:
-    """The jobs as aligned text columns, for the console."""
+# Console tables fit this many columns unless asked wide (`report --wide`).
+TABLE_WIDTH = 120
+
+
+def render_table(rows: list[dict[str, Any]], width: int | None = TABLE_WIDTH) -> str:
+    """The jobs as aligned text columns, for the console: the columns in order while they fit
+    `width` characters (None: all), and a last line naming those left out."""
     if not rows:
         return "(no jobs)"
     cols = [c for c in rows[0] if c != "run_id"]
     fmt = _cell
     cells = [[fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    keep = len(cols)
+    if width is not None:
+        used, keep = 0, 0
+        for w in widths:
+            if keep and used + 3 + w > width:
+                break
+            used += w + (3 if keep else 0)
+            keep += 1
 
     def line(vals: list[str]) -> str:
-        return " | ".join(v.ljust(w) for v, w in zip(vals, widths, strict=True))
+        return " | ".join(v.ljust(w) for v, w in zip(vals[:keep], widths[:keep], strict=True))
 
-    out = [line(cols), "-+-".join("-" * w for w in widths), *(line(r) for r in cells)]
+    out = [line(cols), "-+-".join("-" * w for w in widths[:keep]), *(line(r) for r in cells)]
+    if keep < len(cols):
+        out.append(
+            f"({len(cols) - keep} more column(s): {', '.join(cols[keep:])}; "
+            "eagle3-runner report --wide, --csv or --json shows them)"
+        )
     if len(rows) == 1 or "job_s" not in rows[0]:
         return "\n".join(out)
     total_job = sum(r["job_s"] for r in rows)
