@@ -16,12 +16,10 @@ from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """A fresh virtualenv holding only the built wheel; the dependencies are those of this
-    environment, reached through a .pth file (so nothing is downloaded). That .pth does not run
-    this environment's own .pth files, so the editable install of the source tree stays out."""
+def built(tmp_path_factory) -> tuple[Path, str]:
+    """The wheel, built as a user's `pip wheel .` builds it, and what the build printed."""
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
+    done = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -32,12 +30,35 @@ def installed(tmp_path_factory) -> Path:
             "--no-build-isolation",
             "-w",
             str(tmp / "dist"),
-            "-q",
         ],
         check=True,
         capture_output=True,
+        text=True,
     )
-    wheel = next((tmp / "dist").glob("eagle3_runner-*.whl"))
+    return next((tmp / "dist").glob("eagle3_runner-*.whl")), done.stdout + done.stderr
+
+
+def test_the_wheel_ships_every_config_without_a_warning(built):
+    """Every YAML of conf/ and sweeps/ is in the wheel, and the build says nothing about it (it
+    printed a warning block for every folder of conf/)."""
+    import zipfile
+
+    wheel, said = built
+    assert "absent from the packages configuration" not in said, said[-2000:]
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for folder, package in (("conf", "runner/conf"), ("sweeps", "runner/sweeps")):
+        for path in (REPO / folder).rglob("*.yaml"):
+            shipped = f"{package}/{path.relative_to(REPO / folder)}"
+            assert shipped in names, f"{shipped} is not in the wheel: add its folder to pyproject"
+
+
+@pytest.fixture(scope="module")
+def installed(built, tmp_path_factory) -> Path:
+    """A fresh virtualenv holding only the built wheel; the dependencies are those of this
+    environment, reached through a .pth file (so nothing is downloaded). That .pth does not run
+    this environment's own .pth files, so the editable install of the source tree stays out."""
+    tmp = tmp_path_factory.mktemp("venv")
+    wheel = built[0]
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
