@@ -44,6 +44,9 @@ def test_the_console_holds_the_runners_lines_and_counts_the_libraries(
     assert not others, "\n".join(others[:20])
     assert sum(not line.startswith(BARS) for line in lines) <= MAX_LINES, "\n".join(lines)
     assert any("[train] computed" in line for line in lines)
+    # The summary's last line is the next thing to do (this run evaluated nothing: its table).
+    last = proc.stdout.rstrip().splitlines()[-1].strip()
+    assert last.startswith("next: eagle3-runner report "), last
     # The libraries' warnings (speculators' fallbacks, torch's pin_memory) are counted, and the
     # job's log file, named in the summary, holds them.
     note = next(line for line in lines if "library warnings not shown:" in line)

@@ -268,7 +268,13 @@ def rerun_command() -> str:
     """The command line that runs this job again (its Hydra overrides)."""
     if not HydraConfig.initialized():
         return "the same command (run_job with the same config)"
-    return shlex.join(["python", "-m", "runner", *HydraConfig.get().overrides.task])
+    # As the user typed it: the installed command, or the module.
+    typed = (
+        ["eagle3-runner"]
+        if Path(sys.argv[0]).name == "eagle3-runner"
+        else ["python", "-m", "runner"]
+    )
+    return shlex.join([*typed, *HydraConfig.get().overrides.task])
 
 
 def _run_name(cfg: RunnerConfig, tracker: Tracker) -> str:
@@ -432,8 +438,23 @@ def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> tuple[st
             "  SMOKE TEST (run.smoke_test, e.g. preset=quick): every stage works here; the "
             "figures are too small to judge a draft by",
         )
+    trained = any(r.stage.objective for r in result.results.values()) and not cfg.run.smoke_test
+    next_step = (
+        f"  next: eagle3-runner publish OUT --run {result.run_id} (the draft as a hub-ready "
+        "folder with its card)"
+        if trained
+        else f"  next: eagle3-runner report {result.run_id}"
+    )
     console = "\n".join(
-        ["", head, *table, *found, *key, f"  MLflow run {result.run_id}: {tracker.ui_command()}"]
+        [
+            "",
+            head,
+            *table,
+            *found,
+            *key,
+            f"  MLflow run {result.run_id}: {tracker.ui_command()}",
+            next_step,
+        ]
     )
     description = "\n".join([head, *(x[2:] for x in [*key, *found]), "", "stages:", *table])
     return console, description

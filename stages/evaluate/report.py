@@ -114,8 +114,9 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
         )
     extra = []
     if same is not None:
+        one = {"near_ties": "near tie", "mismatches": "mismatch", "undetermined": "undetermined"}
         differ = [
-            f"{metrics[k]:.0f} {k.replace('_', ' ')}"
+            f"{metrics[k]:.0f} {one[k] if metrics[k] == 1 else k.replace('_', ' ')}"
             for k in ("near_ties", "mismatches", "undetermined")
             if metrics.get(k)
         ]
