@@ -99,6 +99,11 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     except StageError as exc:
         print(f"\nstage error: {exc}", file=sys.stderr)
+        if multirun and os.environ.get(SEARCH_ENV):
+            # A search cannot go on without this trial's objective: it ends here, FAILED.
+            with held_back():
+                end_interrupted_sweep(cfg, status="FAILED")
+            _exit_now(1)
         if multirun:
             return None
         sys.exit(1)

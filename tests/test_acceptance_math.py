@@ -90,8 +90,10 @@ def test_sweep_table_has_a_column_per_position_for_every_k(tmp_path):
     assert positions == [f"acc_pos_{i}" for i in range(5)]
     assert [r["eval.num_speculative_tokens"] for r in rows] == ["3", "5"]
     assert rows[0]["acc_pos_3"] is None and rows[1]["acc_pos_4"] == pytest.approx(0.1)
-    table = render_table(rows)
+    table = render_table(rows, width=None)  # every column (report --wide)
     assert "acc_pos_4" in table.splitlines()[0] and "sweep time 20 s" in table
+    narrow = render_table(rows)  # the console's 120 columns, the rest named
+    assert all(len(line) <= 120 for line in narrow.splitlines()[:4]) and "acc_pos_4" in narrow
 
 
 def test_a_divergence_at_a_near_tie_is_told_from_a_real_mismatch():

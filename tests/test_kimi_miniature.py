@@ -200,6 +200,7 @@ def test_the_whole_pipeline_with_evaluation_on_a_gpu(root, mini):
                 "extract=vllm",
                 "eval.num_prompts=8",
                 "eval.max_new_tokens=32",
+                "eval.gates=warn",  # a draft of a random target accepts nothing: 1.0 is right
                 *gpu_lane_overrides(),
             ]
         )

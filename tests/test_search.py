@@ -38,6 +38,7 @@ def test_an_optuna_search_maximizes_acceptance_with_intervals(tmp_path):
         "eval.prompts=[mtbench]",
         "eval.num_prompts=4",
         "eval.compare_target=false",
+        "eval.gates=warn",  # 8-step drafts serve near 1.0: the search, not the drafts, is tested
         "eval.random_baseline=false",
     ]
     env = {k: v for k, v in os.environ.items() if k not in (PARENT_ENV, "MLFLOW_TRACKING_URI")}

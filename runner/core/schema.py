@@ -64,6 +64,11 @@ class Interconnect(StrEnum):
     none = "none"
 
 
+class Gates(StrEnum):
+    fail = "fail"
+    warn = "warn"
+
+
 class SpeedServers(StrEnum):
     # Both evaluation servers up at once, each with half of the memory settings, the timed passes
     # alternating between them: whatever slows the machine for a while slows both.
@@ -850,6 +855,15 @@ class EvalConfig:
     speed_servers: SpeedServers = SpeedServers.auto
     # Seconds allowed for generating all prompts on one vLLM server (start-up not included).
     timeout_s: int = 1800
+    # A served draft whose acceptance length's 95% interval lies at or below this on any prompt
+    # set fails the run: a trained draft near 1.0 is a fault (the attention backend, the capture
+    # ids, the vocabulary mapping, a target other than the one trained on), not a figure.
+    # null: no floor.
+    acceptance_floor: float | None = 1.05
+    # fail: the floor and the identity check fail the run (exit 1, the MLflow run FAILED with the
+    # reason as its `failure` tag; publish takes finished runs only). warn: research runs go on,
+    # the summary's first line saying which gate failed.
+    gates: Gates = Gates.fail
 
     def check(self) -> None:
         for key in (
@@ -866,6 +880,10 @@ class EvalConfig:
                 f"{self.num_speculative_tokens} is more than {SPECULATIVE_TOKENS_MAX}: vLLM's "
                 "config takes any positive k and a large one fails only once the target has "
                 "loaded, while an EAGLE-3 draft's acceptance is near zero after a few positions",
+            )
+        if self.acceptance_floor is not None:
+            _within(
+                "eval.acceptance_floor", self.acceptance_floor, 1.0, 1.0 + SPECULATIVE_TOKENS_MAX
             )
         if self.speed_repeats is not None:
             _at_least("eval.speed_repeats", self.speed_repeats, 0)

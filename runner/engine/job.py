@@ -21,7 +21,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,14 +237,23 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
             seconds=time.time() - t_start,
             objective=_objective(results),
         )
-        summary, description = _summary(result, cfg, tracker)
+        failed, warned = _gates(results, cfg)
+        summary, description = _summary(result, cfg, tracker, failed or warned, bool(failed))
         # The results head the run's page in the MLflow UI.
         tracker.set_description("```\n" + description + "\n```")
+        if failed:
+            _echo(summary)  # the figures that failed, before the run ends FAILED
+            raise StageError("; ".join(failed))
     except BaseException as exc:
         # A signal is not a failure of the run's own making: MLflow shows it as KILLED. A second
         # signal while the run is being closed waits until it is closed.
+        stopped = as_interrupted(exc) is not None
         with held_back():
-            _end_failed(tracker, "KILLED" if as_interrupted(exc) else "FAILED")
+            _end_failed(
+                tracker,
+                "KILLED" if stopped else "FAILED",
+                None if stopped else f"{type(exc).__name__}: {exc}",
+            )
         raise
     with held_back() as came:
         tracker.end("FINISHED")
@@ -389,10 +398,26 @@ def _log_comparison(tracker: Tracker, cfg: RunnerConfig, results: dict[str, Stag
     tracker.log_text(json.dumps(found, indent=1), RESULTS_FILE)
 
 
-def _end_failed(tracker: Tracker, status: str) -> None:
+def _gates(results: Mapping[str, Any], cfg: RunnerConfig) -> tuple[list[str], list[str]]:
+    """What the stages' gates find in their figures: (failures that fail the run, failures that
+    a research setting turned into warnings)."""
+    failed: list[str] = []
+    warned: list[str] = []
+    for r in results.values():
+        if r.stage.gate is None:
+            continue
+        problems, enforced = r.stage.gate(r.metrics, cfg)
+        (failed if enforced else warned).extend(problems)
+    return failed, warned
+
+
+def _end_failed(tracker: Tracker, status: str, reason: str | None = None) -> None:
     """Close the run FAILED or KILLED without letting a tracking error hide the stage's own
-    error (the caller re-raises it); a run left RUNNING is reconciled by the next run."""
+    error (the caller re-raises it); a run left RUNNING is reconciled by the next run. The reason
+    of a failure is the run's `failure` tag."""
     try:
+        if reason:
+            tracker.set_tags({"failure": reason[:5000]})
         tracker.end(status)
     except Exception as exc:
         log.error(
@@ -412,9 +437,16 @@ def _objective(results: dict[str, StageResult]) -> float | None:
     return None
 
 
-def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> tuple[str, str]:
+def _summary(
+    result: JobResult,
+    cfg: RunnerConfig,
+    tracker: Tracker,
+    gated: list[str] | None = None,
+    enforced: bool = True,
+) -> tuple[str, str]:
     """The end-of-run summary for the console (the stages, then what they found), and the run's
-    description in MLflow (what they found first: the page shows its first lines)."""
+    description in MLflow (what they found first: the page shows its first lines). `gated`: what
+    the stages' gates found, which fails the run (`enforced`) or is only a warning."""
     table = [
         f"  {r.name:<9} {r.status:<8} {r.seconds:7.1f} s  {r.path}" for r in result.results.values()
     ]
@@ -432,6 +464,10 @@ def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> tuple[st
     if note:
         found.append(f"  {note}")
     head = f"==== eagle3 runner: done in {result.seconds:.1f} s ===="
+    if gated:
+        state = "RUN FAILED" if enforced else "GATES FAILED, ONLY AS WARNINGS (eval.gates=warn)"
+        head = f"==== eagle3 runner: {state} after {result.seconds:.1f} s ===="
+        key[:0] = [f"  gate: {g}" for g in gated]
     if cfg.run.smoke_test:
         key.insert(
             0,
@@ -439,6 +475,7 @@ def _summary(result: JobResult, cfg: RunnerConfig, tracker: Tracker) -> tuple[st
             "figures are too small to judge a draft by",
         )
     trained = any(r.stage.objective for r in result.results.values()) and not cfg.run.smoke_test
+    trained = trained and not (gated and enforced)
     next_step = (
         f"  next: eagle3-runner publish OUT --run {result.run_id} (the draft as a hub-ready "
         "folder with its card)"

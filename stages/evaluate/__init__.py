@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +42,18 @@ from stages.evaluate.heldout import HELDOUT
 from stages.evaluate.measures import (
     acceptance,
     divergence,
+    gate,
     identity_counts,
     paired_noise,
     prompt_cells,
     prompt_interval,
+    proven,
     report_mismatches,
     speed_metrics,
     teacher_forced,
 )
 from stages.evaluate.prompt_sets import check_prompt_room, prompt_sets, prompt_sources
-from stages.evaluate.report import columns, figures, results, summary, tables
+from stages.evaluate.report import columns, figures, results, set_names, summary, tables
 from stages.evaluate.serving import (
     gpu_memory_gib,
     random_draft,
@@ -180,14 +183,26 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if comparing:
         if not target:
             _, target = serve_sets(
-                cfg, ctx.facts, None, sets, "target", logs, likeliest=True, speed_repeats=repeats
+                cfg,
+                ctx.facts,
+                None,
+                sets,
+                "target",
+                logs,
+                likeliest=True,
+                speed_repeats=repeats,
+                served={name: result["token_ids"] for name, result in spec.items()},
             )
         for name, result in target.items():
             pre = "" if name == first else f"{name}/"
             rows = zip(
                 spec[name]["token_ids"], result["token_ids"], result["likeliest"], strict=True
             )
-            differs[name] = [divergence(a, b, t2, e.near_tie_gap) for a, b, t2 in rows]
+            rescored = result.get("rescored", {})
+            differs[name] = [
+                proven(divergence(a, b, t2, e.near_tie_gap), rescored.get(i))
+                for i, (a, b, t2) in enumerate(rows)
+            ]
             identical[name] = [d is None for d in differs[name]]
             metrics[f"{pre}target_tokens_per_s"] = tokens_per_s(result)
         if repeats:
@@ -369,6 +384,11 @@ def plan(p: Plan, view: PlanView) -> None:
         )
 
 
+def _gate(metrics: Mapping[str, Any], cfg: RunnerConfig) -> tuple[list[str], bool]:
+    """The floor and the identity check (eval.acceptance_floor, eval.gates)."""
+    return gate(metrics, cfg.eval.acceptance_floor, set_names(cfg)), cfg.eval.gates == "fail"
+
+
 STAGE = Stage(
     name="evaluate",
     key_config=key_config,
@@ -390,4 +410,5 @@ STAGE = Stage(
     plotted="acceptance_length",
     results=results,
     plan=plan,
+    gate=_gate,
 )

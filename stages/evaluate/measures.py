@@ -8,6 +8,7 @@ checks them on hand-made inputs).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from runner.core.intervals import ratio_interval, replicates
@@ -73,6 +74,10 @@ def teacher_forced(train_metrics: dict[str, Any], k: int) -> dict[str, Any]:
 
 
 NEAR_TIE, MISMATCH, UNKNOWN = "near tie", "mismatch", "undetermined"
+# A divergence past the near-tie filter that the target itself reproduces: read in one forward
+# over the prompt and the served tokens (the verifier's shape), the target picks the served
+# token; the two shapes' kernels, not the draft, parted the outputs.
+KERNELS = "kernels"
 # The target's logits are bf16, so a gap between two of them is a whole number of bf16 spacings
 # (0.0625, 0.125, 0.25, 0.5 at the magnitudes seen); vLLM hands them back as fp32 logprobs, whose
 # log-softmax adds a few fp32 spacings either way: one H200 run read one bf16 spacing at 0.5 as
@@ -187,12 +192,35 @@ def prompt_cells(per_prompt: list[dict[str, Any]], i: int) -> dict[str, Any]:
     }
 
 
+def proven(d: dict[str, Any] | None, rescored: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A divergence with its proof. The gap filter passes near ties as they are; any other
+    divergence is decided by the target alone re-reading the served prefix in one forward
+    (`rescored`: the served token's rank there, 1 = the target's own pick): rank 1 proves it the
+    kernels' (KERNELS), any other rank a real MISMATCH. Without a re-reading (a server that
+    gives no prompt logprobs) the filter's verdict stands, marked unproven."""
+    if d is None:
+        return None
+    if d["verdict"] == NEAR_TIE:
+        return {**d, "proof": f"gap {d['gap']:.4g} within eval.near_tie_gap"}
+    if not rescored or rescored.get("rank") is None:
+        return {**d, "proof": "none: the target could not re-read the prefix (unproven)"}
+    rank = int(rescored["rank"])
+    how = (
+        f"the target, reading the prompt and the {d['position'] + 1} served tokens in one "
+        f"forward, ranks the served token {rank}"
+    )
+    if rescored.get("top") is not None:
+        how += f" (its own pick there: {rescored['top']})"
+    return {**d, "verdict": KERNELS if rank == 1 else MISMATCH, "proof": how, "rescored_rank": rank}
+
+
 def identity_counts(differs: dict[str, list[dict[str, Any] | None]]) -> dict[str, Any]:
     flat = [d for rows in differs.values() for d in rows]
     verdicts = [d["verdict"] for d in flat if d is not None]
     return {
         "identical_to_target_fraction": sum(d is None for d in flat) / len(flat),
         "near_ties": verdicts.count(NEAR_TIE),
+        "kernel_divergences": verdicts.count(KERNELS),
         "mismatches": verdicts.count(MISMATCH),
         "undetermined": verdicts.count(UNKNOWN),
     }
@@ -221,9 +249,10 @@ def report_mismatches(differs: dict[str, list[dict[str, Any] | None]]) -> None:
         gap = "n/a" if d["gap"] is None else f"{d['gap']:.3f}"
         log.error(
             "[evaluate] identity check FAILED: %d output(s) served with the draft differ from the "
-            "target's own where the target was not near a tie; first: set %s, prompt %d, "
-            "position %d (target token %s, served %s, logprob gap %s > eval.near_tie_gap). "
-            "Speculative decoding must not change greedy output: see identity.json",
+            "target's own where the target was not near a tie and, re-reading the prefix, does "
+            "not pick the served token; first: set %s, prompt %d, position %d (target token %s, "
+            "served %s, logprob gap %s > eval.near_tie_gap). Speculative decoding must not change "
+            "greedy output: see identity.json",
             len(bad),
             name,
             i,
@@ -232,3 +261,29 @@ def report_mismatches(differs: dict[str, list[dict[str, Any] | None]]) -> None:
             d["draft_token"],
             gap,
         )
+
+
+def gate(metrics: Mapping[str, Any], floor: float | None, sets: list[str]) -> list[str]:
+    """What fails the evaluation: a prompt set whose acceptance length's 95% interval lies at or
+    below `floor`, and outputs proven to leave the target's greedy path. `sets`: the prompt
+    sets, the first under the plain metric names."""
+    out = []
+    for k, name in enumerate(sets):
+        pre = "" if k == 0 else f"{name}/"
+        mean = metrics.get(f"{pre}acceptance_length")
+        high = metrics.get(f"{pre}acceptance_length_ci_high", mean)
+        if floor is not None and high is not None and high <= floor:
+            out.append(
+                f"{name}: acceptance length {mean if mean is not None else high:.3f}, "
+                f"its interval at or below eval.acceptance_floor={floor:g}: a trained draft does "
+                "not serve this close to 1.0; check the attention backend (FLASHINFER_MLA with an "
+                "fp8 KV cache on compute capability 12.x accepts nothing), the capture ids, the "
+                "vocabulary mapping, and that the target is the one the draft was trained on"
+            )
+    if metrics.get("mismatches"):
+        out.append(
+            f"identity check: {metrics['mismatches']:.0f} output(s) served with the draft leave "
+            "the target's greedy path where the target itself does not pick the served token "
+            "(identity.json names each, with its proof)"
+        )
+    return out

@@ -114,10 +114,15 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
         )
     extra = []
     if same is not None:
-        one = {"near_ties": "near tie", "mismatches": "mismatch", "undetermined": "undetermined"}
+        one = {
+            "near_ties": "near tie",
+            "kernel_divergences": "kernel divergence",
+            "mismatches": "mismatch",
+            "undetermined": "undetermined",
+        }
         differ = [
             f"{metrics[k]:.0f} {one[k] if metrics[k] == 1 else k.replace('_', ' ')}"
-            for k in ("near_ties", "mismatches", "undetermined")
+            for k in one
             if metrics.get(k)
         ]
         extra.append(

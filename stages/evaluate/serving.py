@@ -326,6 +326,66 @@ def _timed(
     return speed
 
 
+def rescore(
+    server: Server, prompt_ids: list[int], served: list[int], j: int, timeout_s: float
+) -> dict[str, Any]:
+    """The target alone re-reading a served output's prefix in one forward (the verifier's
+    shape: the prompt and the served tokens up to and including position `j`, prefilled at once,
+    no cached prefix): the rank it gives the served token at `j` (1: its own pick) and its own
+    pick there. {} when the server gives no prompt logprobs."""
+    import json
+    import urllib.request
+    import uuid
+
+    body = {
+        "model": server.model_id,
+        "prompt": [*prompt_ids, *served[: j + 1]],
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "prompt_logprobs": TOP_LOGPROBS,
+        # A fresh cache key: every position is computed in this forward, none from the blocks
+        # the earlier decoding left.
+        "cache_salt": uuid.uuid4().hex,
+    }
+    request = urllib.request.Request(
+        f"{server.url}/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            answer = json.loads(r.read())
+        last = answer["choices"][0]["prompt_logprobs"][-1]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return {}
+    ranks = {int(k): v for k, v in last.items()}
+    took = ranks.get(served[j])
+    top = next((k for k, v in ranks.items() if v.get("rank") == 1), None)
+    # vLLM lists the prompt's own token with its rank; one missing is beyond the likeliest.
+    return {"rank": int(took["rank"]) if took else len(ranks) + 1, "top": top}
+
+
+def _rescored(
+    server: Server, outs: list[Any], served: list[list[int]], cfg: RunnerConfig
+) -> dict[int, dict[str, Any]]:
+    """For each output the draft-served server took off the target's greedy path beyond the
+    near-tie filter, the target's re-reading of the served prefix (`rescore`)."""
+    from stages.evaluate.measures import NEAR_TIE, divergence
+
+    found: dict[int, dict[str, Any]] = {}
+    for i, (o, mine) in enumerate(zip(outs, served, strict=True)):
+        choice = o.choices[0]
+        d = divergence(mine, list(choice.token_ids), _likeliest(choice), cfg.eval.near_tie_gap)
+        if d is None or d["verdict"] == NEAR_TIE or d["draft_token"] is None:
+            continue
+        prompt_ids = getattr(o, "prompt_token_ids", None) or (o.model_extra or {}).get(
+            "prompt_token_ids"
+        )
+        if prompt_ids:
+            found[i] = rescore(server, list(prompt_ids), mine, d["position"], cfg.eval.timeout_s)
+    return found
+
+
 def _generate_sets(
     server: Server,
     sets: dict[str, list[Prompt]],
@@ -333,9 +393,12 @@ def _generate_sets(
     label: str,
     drafting: bool,
     likeliest: bool,
+    served: dict[str, list[list[int]]] | None = None,
 ) -> dict[str, dict]:
     """Warm `server`, then generate each prompt set in turn, its counters read around it; per
-    set, the outputs and counters (`drafting`: the server serves a draft)."""
+    set, the outputs and counters (`drafting`: the server serves a draft). `served`: the
+    draft-served outputs, whose divergences from this (target-alone) server's own are re-read
+    by it while it is up (`rescored` per set: prompt index -> rank)."""
     out: dict[str, dict] = {}
     with quiet_http_logs():
         _warm(server, next(iter(sets.values())), cfg)
@@ -382,6 +445,9 @@ def _generate_sets(
             "counters": counters,
             **({"likeliest": [_likeliest(o.choices[0]) for o in outs]} if likeliest else {}),
         }
+        if served is not None and likeliest and name in served:
+            with quiet_http_logs():
+                out[name]["rescored"] = _rescored(server, outs, served[name], cfg)
     return out
 
 
@@ -403,6 +469,7 @@ def serve_sets(
     logs: Path,
     likeliest: bool = False,
     speed_repeats: int = 0,
+    served: dict[str, list[list[int]]] | None = None,
 ) -> tuple[float, dict[str, dict]]:
     """Start a server for the target (with `draft` if given), warm it, generate each prompt set
     in turn (its counters read around it), measure its speed on the first set (warm,
@@ -418,7 +485,7 @@ def serve_sets(
     )
     # (`logs` is in the stage's scratch folder: a failed evaluation keeps its servers' logs there.)
     with server:
-        out = _generate_sets(server, sets, cfg, label, draft is not None, likeliest)
+        out = _generate_sets(server, sets, cfg, label, draft is not None, likeliest, served)
         if speed_repeats:
             first = next(iter(sets.values()))
             out[next(iter(sets))]["speed"] = _timed({label: server}, first, cfg, speed_repeats)[
@@ -472,7 +539,10 @@ def serve_together(
         spec = _generate_sets(servers["draft"], sets, cfg, "draft", True, likeliest=False)
         _announce("target", sets)
         servers["target"].wait_ready()
-        target = _generate_sets(servers["target"], sets, cfg, "target", False, likeliest=True)
+        served = {name: result["token_ids"] for name, result in spec.items()}
+        target = _generate_sets(
+            servers["target"], sets, cfg, "target", False, likeliest=True, served=served
+        )
         if speed_repeats:
             first_name = next(iter(sets))
             speed = _timed(dict(servers), sets[first_name], cfg, speed_repeats)

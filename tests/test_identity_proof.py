@@ -1,0 +1,91 @@
+"""The identity check's verdicts are proven, not inferred: a divergence past the near-tie filter
+is re-read by the target alone in one forward over the prompt and the served tokens, through
+vLLM's prompt logprobs. The target picking the served token there proves the divergence the
+kernels'; any other rank proves a real mismatch, which fails the run (eval.gates)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+
+from stages.evaluate.measures import KERNELS, MISMATCH, NEAR_TIE, gate, proven
+from stages.evaluate.serving import rescore
+
+
+@pytest.fixture
+def stand_in():
+    """A completions endpoint that answers prompt logprobs as vLLM does, ranking at the last
+    prompt position the tokens in `ranking` (likeliest first); it records each request."""
+    state = {"ranking": [], "asked": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            state["asked"].append(body)
+            last = {
+                str(t): {"logprob": -0.1 * r, "rank": r + 1, "decoded_token": "x"}
+                for r, t in enumerate(state["ranking"])
+            }
+            prompt = body["prompt"]
+            answer = {"choices": [{"prompt_logprobs": [None] * (len(prompt) - 1) + [last]}]}
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    server = SimpleNamespace(url=f"http://127.0.0.1:{httpd.server_port}/v1", model_id="m")
+    yield server, state
+    httpd.shutdown()
+
+
+def test_a_divergence_the_target_reproduces_is_the_kernels_and_one_it_does_not_is_real(stand_in):
+    server, state = stand_in
+    far = {"position": 2, "draft_token": 9, "target_token": 7, "gap": 0.75, "verdict": MISMATCH}
+    # In one forward over the prompt and the served tokens the target picks the served 9.
+    state["ranking"] = [9, 7, 3]
+    got = rescore(server, [1, 2, 3], [5, 6, 9, 4], 2, timeout_s=10)
+    assert got == {"rank": 1, "top": 9}
+    body = state["asked"][-1]
+    assert body["prompt"] == [1, 2, 3, 5, 6, 9] and body["max_tokens"] == 1
+    assert body["prompt_logprobs"] >= 1 and body["cache_salt"]  # no cached prefix reused
+    kernels = proven(far, got)
+    assert kernels["verdict"] == KERNELS and "ranks the served token 1" in kernels["proof"]
+    # A token the target never picks: ranked third there, a real mismatch.
+    state["ranking"] = [7, 3, 9]
+    real = proven(far, rescore(server, [1, 2, 3], [5, 6, 9, 4], 2, timeout_s=10))
+    assert real["verdict"] == MISMATCH and real["rescored_rank"] == 3
+    # Outside the target's likeliest at all: ranked past them, a mismatch.
+    state["ranking"] = [7, 3]
+    unranked = proven(far, rescore(server, [1, 2, 3], [5, 6, 9, 4], 2, timeout_s=10))
+    assert unranked["verdict"] == MISMATCH and unranked["rescored_rank"] == 3
+    # A server that cannot re-read (no prompt logprobs): the filter's verdict, marked unproven.
+    assert "unproven" in proven(far, {})["proof"] and proven(far, {})["verdict"] == MISMATCH
+    # Near ties pass the filter without a re-reading; the gate fails the run on a mismatch only.
+    near = {**far, "gap": 0.25, "verdict": NEAR_TIE}
+    assert proven(near, None)["verdict"] == NEAR_TIE
+    assert gate({"mismatches": 1, "acceptance_length_ci_high": 1.5}, 1.05, ["mtbench"])
+    assert not gate({"mismatches": 0, "acceptance_length_ci_high": 1.5}, 1.05, ["mtbench"])
+
+
+def test_the_floor_names_each_set_at_or_below_it():
+    metrics = {
+        "acceptance_length": 1.02,
+        "acceptance_length_ci_high": 1.04,
+        "humaneval/acceptance_length": 1.4,
+        "humaneval/acceptance_length_ci_high": 1.5,
+    }
+    found = gate(metrics, 1.05, ["mtbench", "humaneval"])
+    assert len(found) == 1 and found[0].startswith("mtbench: acceptance length 1.020")
+    assert "FLASHINFER_MLA" in found[0]
+    assert not gate(metrics, None, ["mtbench", "humaneval"])
