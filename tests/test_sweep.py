@@ -91,8 +91,13 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     assert any(
         "model.capture_preset=late" in n and "vocab.draft_vocab_size=4096" in n for n in names
     )
-    # Only the swept values: the overrides all nine jobs share would only repeat.
+    # Only the swept values, and first (MLflow's table cuts names short): the overrides all nine
+    # jobs share would only repeat.
     assert not any("data.num_samples" in n or "model.source" in n for n in names), names
+    assert all(n.split()[0].startswith(("model.capture_preset=", "vocab.")) for n in names), names
+    # The plan as printed is among each run's artifacts.
+    run = children[0]
+    assert "plan.txt" in {a.path for a in client.list_artifacts(run.info.run_id)}
     assert f"sweep parent run {parent}" in stdout and "mlflow ui --backend-store-uri" in stdout
 
 

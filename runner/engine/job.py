@@ -223,6 +223,7 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
     run_id = tracker.start(_run_name(cfg, tracker), _run_tags(target))
     try:
         _log_config(tracker, cfg, target)
+        tracker.log_text(plan.render(), PLAN_FILE)  # the plan as printed, linked from the summary
         with _cpu_threads(cfg.hardware.cpu_threads):
             results = {r.name: r for r in pipeline.run(planned)}
         for r in results.values():
@@ -286,6 +287,10 @@ def rerun_command() -> str:
     return shlex.join([*typed, *HydraConfig.get().overrides.task])
 
 
+# The run's plan, as printed before it ran, among its artifacts.
+PLAN_FILE = "plan.txt"
+
+
 def _run_name(cfg: RunnerConfig, tracker: Tracker) -> str:
     name = cfg.run_name()
     # A sweep's jobs are told apart by the values they sweep (chart legends show run names);
@@ -300,7 +305,8 @@ def _run_name(cfg: RunnerConfig, tracker: Tracker) -> str:
     except Exception:  # the parent cannot be read: name the job by all its overrides
         keys = set()
     swept = [o for o in shown if o.split("=", 1)[0].lstrip("+~") in keys]
-    return f"{name} [{shlex.join(swept or shown)}]"
+    # The swept values first: MLflow's runs table cuts names at about 20 characters.
+    return f"{shlex.join(swept or shown)} | {name}"
 
 
 def _run_tags(target: Target) -> dict[str, str]:
@@ -493,7 +499,9 @@ def _summary(
             next_step,
         ]
     )
-    description = "\n".join([head, *(x[2:] for x in [*key, *found]), "", "stages:", *table])
+    description = "\n".join(
+        [head, *(x[2:] for x in [*key, *found]), "", "stages:", *table, "", f"plan: {PLAN_FILE}"]
+    )
     return console, description
 
 
