@@ -22,23 +22,20 @@ lint: setup  ## Lint and check formatting (ruff, configured in pyproject.toml)
 fmt: setup  ## Format the code and apply ruff's safe fixes
 	$(PY) -m ruff format . && $(PY) -m ruff check --fix .
 
-# Two workers (pytest-xdist), a test file each at a time: module fixtures are built once, and the
-# two cores stay busy while one worker waits on a child process: 518 s here, where one process
-# took 583 s before this lane gained about 4 minutes of tests.
+# Two workers (pytest-xdist), a test file each at a time: module fixtures are built once.
 # A worker that dies (the OOM killer) is not replaced: xdist's replacement once waited forever and
 # held CI to its limit; the dead worker's test fails and the lane ends.
 XDIST := -n 2 --dist loadfile --max-worker-restart=0
-# Each worker on a core of its own, with what it starts (tests/conftest.py: pytest_configure).
+# Each worker on a core of its own, with everything it starts (tests/conftest.py,
+# pytest_configure). Unpinned, two vLLM CPU servers bound their threads to the same core and two
+# trainings oversubscribed both: on a 2-core x86_64 machine on 2026-12-06 the slow lanes took
+# 1,222 s pinned against 2,362 to 2,768 s unpinned, and the fast lane 467 s against 600 s.
 PIN := EAGLE3_TEST_PIN_WORKERS=1
-test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (~13 min)
+test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (~8 min)
 	@$(call timed,$(PIN) $(PY) -m pytest -q $(XDIST) --timeout=600 --durations=15 -m "not e2e and not vllm and not faults",fast tests)
 
-# Also two workers, a file each. Both saturate the two cores (vLLM's CPU servers and training
-# each take every core), so the lane's time is its total work: 2,501 s in a clean clone's CI here
-# on 2026-12-04 (3,038 s in CI before that day's cuts); a test moved to the other worker gained
-# nothing, less work did. --durations prints the slowest tests in CI's log: CI as a whole took
-# 3,450 s, still over the 50-minute goal, and cutting it further needs those figures.
-test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lane, fault injection (~42 min)
+# --durations prints the slowest tests in CI's log, where the next cut would start.
+test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lane, fault injection (~21 min)
 	@$(call timed,$(PIN) $(PY) -m pytest -q $(XDIST) --durations=25 -m "e2e or vllm or faults",slow lanes)
 
 test: setup lint test-fast test-slow  ## Everything CI runs: lint, fast tests, then the slow lanes
