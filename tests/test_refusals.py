@@ -506,9 +506,9 @@ def test_a_deeply_nested_row_is_named_by_file_and_line(tmp_path, tiny_model_dir)
 def test_an_epoch_draft_disk_need_above_the_free_disk_is_refused(
     tmp_path, tiny_model_dir, monkeypatch
 ):
-    import stages.train
+    import stages.train.planning
 
-    monkeypatch.setattr(stages.train, "free_bytes", lambda _p: 1 << 20)
+    monkeypatch.setattr(stages.train.planning, "free_bytes", lambda _p: 1 << 20)
     data = _chats(tmp_path / "c.jsonl", 6)
     err = _refusal(
         tiny_model_dir, data, tmp_path / "out", "train.keep_epoch_drafts=true", "train.epochs=50"

@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import signal
@@ -32,41 +31,34 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runner.assets.target_facts import ModelFacts, target_hub_id
+from runner.assets.target_facts import ModelFacts
 from runner.core.errors import StageError
 from runner.core.interrupts import Interrupted
 from runner.core.schema import RunnerConfig
-from runner.core.store import fmt_bytes, free_bytes
-from runner.engine import costs
-from runner.engine.stage import EXTRACTION, Plan, PlanView, ServerNeed, Stage, StageContext
+from runner.engine.stage import EXTRACTION, ServerNeed, Stage, StageContext
 from runner.integrations import SLOT_BACKEND
 from runner.integrations.speculators import (
     ECHO_STEPS_ENV,
-    RESUME_ONLY,
     TRAINING_STATE,
-    Refused,
     best_checkpoint,
-    best_val,
     chain_requeue,
     command_line,
     epoch_dirs,
     fix_recorded_versions,
     mask_token_id,
     metric_records,
-    resolve_train_config,
     run_training,
     summarise,
-    validate_export,
 )
-from runner.integrations.speculators_settings import setting_key, speculators_settings
+from runner.integrations.speculators_settings import speculators_settings
 from runner.processes.cluster import rendezvous
 from runner.processes.launch import resume_hint, run_ranks
 from runner.serving.hidden_states import server_args
 from runner.serving.vllm_server import quiet_http_logs
 from stages.train import nodes
-from stages.train.draft_check import Expected, check_draft
-from stages.train.draft_estimate import draft_params, plan_memory
-from stages.train.online import hidden_state_server, plan_online
+from stages.train.export import check_export, publish_draft
+from stages.train.online import hidden_state_server
+from stages.train.planning import plan
 
 log = logging.getLogger("runner")
 # Settings that change how fast or how safely training runs, not what it produces (the number
@@ -239,14 +231,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
         for r in records:
             fh.write(json.dumps(r) + "\n")
     ckpt = best_checkpoint(save_path)
-    draft = _publish_draft(ckpt, ctx.out / "draft", ctx)
-    checked = _check_export(ctx, settings, draft, records, online)
+    draft = publish_draft(ckpt, ctx.out / "draft", ctx)
+    checked = check_export(ctx, settings, draft, records, online)
     # Every epoch's draft (train.keep_epoch_drafts), for acceptance against tokens trained: the
     # work folder with their checkpoints is deleted once the stage is published.
     if ctx.cfg.train.keep_epoch_drafts:
         kept = epoch_dirs(save_path)
         for ep in kept:
-            _publish_draft(ep, ctx.out / "epochs" / ep.name, ctx)
+            publish_draft(ep, ctx.out / "epochs" / ep.name, ctx)
         ctx.manifest["epoch_drafts"] = [f"epochs/{ep.name}" for ep in kept]
     for f in ("run.yaml", "train_command.txt"):
         if (save_path / f).exists():
@@ -279,262 +271,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "resumes": history["resumes"],
         "steps_redone": history["steps_redone"],
     }
-
-
-# Validation accuracy of the reloaded draft may differ from training's by the bf16 rounding of
-# the saved weights; a broken export (wrong head, mapping or layers) drops it to near zero.
-EXPORT_ACC_TOLERANCE = 0.05
-
-
-def _check_export(
-    ctx: StageContext, settings: dict[str, Any], draft: Path, records: list, online: bool
-) -> dict[str, Any]:
-    """The export check (stages/train/draft_check.py) on the published draft folder, then
-    speculators' validation pass over it, reloaded, against training's own validation of that
-    epoch. Any problem fails the stage before the draft is published or served."""
-    t = ctx.cfg.train
-    expect = Expected(
-        draft_vocab_size=ctx.cfg.vocab.draft_vocab_size,
-        target_vocab_size=ctx.facts.vocab_size,
-        hidden_size=ctx.facts.hidden_size,
-        num_layers=t.num_layers,
-        sliding_window=t.sliding_window,
-        full_attention_layers=list(t.full_attention_layers),
-        aux_layers=list(ctx.facts.aux_layers),
-        capture_ids=list(ctx.facts.capture_ids),
-    )
-    report = check_draft(draft, ctx.inputs["vocab"].path, expect)
-    metrics = dict(report.metrics)
-    trained = best_val(records).get("full_acc_0_epoch")
-    if not report.problems and not online and trained is not None:
-        # (Online, the states came from a server that is gone: nothing stored to validate on.)
-        where = ctx.scratch / "export_check"
-        again = validate_export(
-            settings, ctx.facts.train_slots, draft, where, ctx.cfg.hardware.device
-        ).get("full_acc_0_epoch")
-        if again is not None:
-            metrics.update(export_full_acc_0=again, trained_full_acc_0=trained)
-            report.lines.append(
-                f"reloaded draft's step-0 validation accuracy {again:.3f}, training's {trained:.3f}"
-            )
-            if again < trained - EXPORT_ACC_TOLERANCE:
-                report.problems.append(
-                    f"the reloaded draft's step-0 validation accuracy {again:.3f} is below "
-                    f"training's {trained:.3f} by more than {EXPORT_ACC_TOLERANCE}"
-                )
-    ctx.manifest["export_check"] = {"lines": report.lines, "problems": report.problems}
-    if not report.problems:  # one line: the details are in the manifest
-        log.info(
-            "[train] export check passed: head, d2t/t2d = the vocab stage's, layer types, "
-            "capture ids%s",
-            f"; reloaded step-0 accuracy {metrics['export_full_acc_0']:.3f} (training "
-            f"{metrics['trained_full_acc_0']:.3f})"
-            if "export_full_acc_0" in metrics
-            else "",
-        )
-    if report.problems:
-        raise StageError(
-            f"the exported draft in {draft} fails its check (nothing is published): "
-            + "; ".join(report.problems)
-        )
-    return metrics
-
-
-def _publish_draft(ckpt: Path, draft: Path, ctx: StageContext) -> Path:
-    """A checkpoint's weights and config (not its optimizer and scheduler states, which are for
-    resuming) copied to `draft`, with the layer-id convention recorded in its config."""
-    draft.mkdir(parents=True)
-    for f in ckpt.iterdir():
-        if f.is_file() and not f.name.endswith(RESUME_ONLY):
-            shutil.copy2(f, draft / f.name)
-    fix_recorded_versions(draft / "train_command.txt")
-    # Record the layer-id convention in the draft's own config, beside speculators' fields.
-    conf_path = draft / "config.json"
-    conf = json.loads(conf_path.read_text())
-    hub = target_hub_id(ctx.cfg)
-    verifier = conf.get("speculators_config", {}).get("verifier", {})
-    if hub and verifier:
-        # A local path would tie the draft to this machine; the hub id loads anywhere.
-        verifier["name_or_path"] = hub
-    conf["eagle3_runner"] = {
-        "layer_id_convention": (
-            "vllm (id k = input of decoder layer k; n = final layer before norm)"
-        ),
-        "aux_layer_ids": list(ctx.facts.aux_layers),
-        "capture_ids": list(ctx.facts.capture_ids),
-        "target_num_layers": ctx.facts.num_layers,
-        "target_hub_id": hub,
-        "target_local_path": ctx.facts.path,
-    }
-    conf_path.write_text(json.dumps(conf, indent=2))
-    for f in draft.iterdir():
-        if f.is_file():
-            f.chmod(0o644)  # safetensors and speculators write 0600: a draft is shared
-    return draft
-
-
-def _check_with_speculators(p: Plan, view: PlanView) -> None:
-    """The settings this run will pass, resolved by the installed speculators' own TrainConfig
-    (paths are placeholders: only values are checked), before any stage runs."""
-    where = Path("/nonexistent/plan")
-    online = "http://127.0.0.1:8000/v1" if view.cfg.extract.mode == "online" else None
-    settings = speculators_settings(
-        view.cfg,
-        view.target.facts,
-        where / "data",
-        where / "hs",
-        where / "vocab",
-        where / "save",
-        online=online,
-    )
-    try:
-        resolve_train_config(settings, view.target.facts.train_slots)
-    except Refused as exc:
-        p.error(setting_key(view.cfg, exc.dest), f"speculators refuses it: {exc.message}")
-
-
-def cost(view: PlanView, nodes_: int) -> costs.Cost | None:
-    """Training's wall time and GPU-hours on `nodes_` boxes: the seconds outside the steps plus
-    tokens x epochs over (tokens/s a GPU x ranks x efficiency). The rate: this store's last
-    training of a draft of the same shape on this hardware, else runner/rates.yaml's row nearest
-    in hidden size (scaled by draft size when the shape differs: an estimate)."""
-    cfg = view.cfg
-    hidden, vocab = view.target.facts.hidden_size, cfg.vocab.draft_vocab_size
-    table = costs.rows("train")
-    if not table or not cfg.hardware.gpu_kind:
-        return None
-    row = min(
-        table,
-        key=lambda r: (abs(math.log(r["hidden"] / hidden)), r["gpu"] != cfg.hardware.gpu_kind),
-    )
-    art = costs.measured(view, "train")
-    m = art.manifest if art is not None else {}
-    if (
-        m.get("metrics", {}).get("tokens_per_s_median")
-        and m.get("model", {}).get("hidden_size") == hidden
-        and m.get("config", {}).get("draft_vocab_size") == vocab
-    ):
-        rate = float(m["metrics"]["tokens_per_s_median"]) / (m["config"].get("ranks") or 1)
-        source, est = f"measured by training {art.key} in this store", False
-    else:
-        got = costs.scaled(row, cfg.hardware.gpu_kind, float(row["tokens_per_s_per_gpu"]))
-        if got is None:
-            return None
-        rate, source, est = got
-        shape = _draft_work(row["hidden"], row["draft_vocab"]) / _draft_work(hidden, vocab)
-        if abs(shape - 1) > 0.01:
-            rate *= shape
-            source = (
-                f"estimate: scaled {shape:.2f}x by draft size from hidden {row['hidden']}, vocab "
-                f"{row['draft_vocab']} ({source})"
-            )
-            est = True
-    ranks = cfg.train_ranks() * nodes_
-    eff = costs.efficiency(ranks, float(row["efficiency_2"]))
-    tokens, _exact = costs.prepared_tokens(view, "prepare")
-    wall = float(row["fixed_s"]) + tokens * cfg.train.epochs / (rate * ranks * eff)
-    return costs.Cost(
-        "training",
-        wall,
-        wall * costs.box_gpus(cfg, nodes_) / 3600,
-        f"{cfg.train.epochs} epoch(s) x {tokens:,} tokens at {rate:,.0f} tok/s a GPU x {ranks} "
-        f"GPU(s) x {eff:.2f} scaling [{source}]",
-        est or ranks > 2,
-    )
-
-
-def _draft_work(hidden: int, vocab: int) -> float:
-    """A proxy of one draft token's work: the layer and fc (~16 h^2) and the head (h x V)."""
-    return 16 * hidden * hidden + hidden * vocab
-
-
-def plan(p: Plan, view: PlanView) -> None:
-    cfg, layout = view.cfg, view.target.layout
-    if view.actions.get("train") == "run":
-        _check_with_speculators(p, view)
-        if cfg.hardware.device == "cuda":
-            now, more = (
-                cost(view, n) for n in (cfg.hardware.num_nodes, cfg.hardware.num_nodes + 1)
-            )
-            if now and more:
-                p.add_cost("train", now, more)
-    t, h, vd = cfg.train, layout.hidden_size, cfg.vocab.draft_vocab_size
-    params = draft_params(cfg, view.target)
-    aux = len(view.target.facts.aux_layers)
-    p.numbers["draft_params"] = params
-    if t.num_layers > layout.num_layers:
-        p.error(
-            "train.num_layers",
-            f"a draft of {t.num_layers} layers is deeper than the target ({layout.num_layers}): "
-            "it would be slower than the target it drafts for (EAGLE-3 drafts have 1 to 2)",
-        )
-    if t.keep_epoch_drafts and view.actions.get("train") == "run":
-        # Each kept draft in bf16, next to the artifact's own and a resumable checkpoint.
-        need, free = (t.epochs + 2) * params * 2, free_bytes(view.output_root)
-        p.numbers["epoch_drafts_bytes"] = need
-        if free is not None and need > free:
-            p.error(
-                "train.keep_epoch_drafts",
-                f"{t.epochs} epochs' drafts need ~{fmt_bytes(need)} but {view.output_root} has "
-                f"{fmt_bytes(free)} free; keep fewer (fewer train.epochs) or set it false",
-            )
-    p.add(
-        "draft",
-        f"{t.num_layers} layer(s), fc {aux}x{h}->{h}, draft vocab {vd} of {layout.vocab_size}, "
-        f"~{params / 1e6:.0f}M params, {t.ttt_steps} TTT steps",
-    )
-    p.add("draft attention", attention_line(cfg))
-    seq = t.total_seq_len or cfg.data.max_seq_len
-    draft_logits, full_logits = seq * vd * 4, seq * layout.vocab_size * 4
-    p.numbers.update(teacher_logits_bytes=draft_logits, full_vocab_logits_bytes=full_logits)
-    p.add(
-        "teacher logits",
-        f"{seq} tokens x {vd} draft vocab x fp32 = {fmt_bytes(draft_logits)} per batch (full vocab "
-        f"would be {fmt_bytes(full_logits)}; {fmt_bytes(layout.vocab_size * 4)}/token)",
-    )
-    ranks, hw = cfg.train_ranks(), cfg.hardware
-    mode = "in this process" if ranks == 1 else f"torchrun, {'FSDP2' if t.fsdp else 'DDP'}"
-    every = (
-        f"every {t.checkpoint_every:g} epoch(s)" if t.checkpoint_every else "at each epoch's end"
-    )
-    what = "GPU(s)" if hw.device == "cuda" else "CPU process(es)"
-    p.add(
-        "training",
-        f"{ranks} {what} ({mode}; train.num_gpus, train.fsdp), checkpoints {every} "
-        "(train.checkpoint_every)"
-        + (
-            f"; every epoch's draft kept ({t.epochs} x the draft's size)"
-            if t.keep_epoch_drafts
-            else ""
-        ),
-    )
-    if cfg.extract.mode == "online":
-        plan_online(p, cfg)
-    if hw.device != "cuda":
-        return
-    plan_memory(p, cfg, view.target)
-
-
-def attention_line(cfg: RunnerConfig) -> str:
-    """The draft layers' attention in words (train.sliding_window, train.full_attention_layers),
-    and whether the window can bind at all: contexts no longer than it see everything."""
-    t = cfg.train
-    full = sorted(t.full_attention_layers)
-    window = [i for i in range(t.num_layers) if i not in full]
-    parts = []
-    if window:
-        layers = "every layer" if not full else f"layer(s) {window}"
-        parts.append(f"{layers}: sliding window of {t.sliding_window} tokens")
-    if full:
-        parts.append(f"layer(s) {full}: full attention")
-    longest = cfg.data.max_seq_len  # packed rows keep their conversations apart
-    note = ""
-    if window and t.sliding_window >= longest:
-        note = (
-            f" (the window covers training's {longest}-token rows: the same as full attention "
-            "there; it binds on longer served contexts)"
-        )
-    return "; ".join(parts) + note + " (train.sliding_window, train.full_attention_layers)"
 
 
 def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:
