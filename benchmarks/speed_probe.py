@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.conftest import compose
 
     cfg = typed(compose(a.overrides))
-    prompts = next(iter(load_prompt_sets(cfg.eval).values()))
+    prompts = next(iter(load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts).values()))
     e = cfg.eval  # passes as long as the stage's (eval.speed_pass_s)
     probe(a.evaluate_dir, prompts, e.speed_prompts, e.max_new_tokens, a.repeats, e.speed_pass_s)
     return 0

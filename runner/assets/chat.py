@@ -20,7 +20,9 @@ from runner.core.schema import RunnerConfig
 def template_kwargs(cfg: RunnerConfig) -> dict[str, Any]:
     """The model's chat-template arguments, with the data's on top (and regenerate's, when the
     rows are the target's own: rendered as they were generated)."""
-    extra = cfg.regenerate.chat_template_kwargs if cfg.regenerate.backend != "none" else {}
+    # The regenerate stage's section, where the registry has one (Stage.settings).
+    regen = getattr(cfg, "regenerate", None)
+    extra = regen.chat_template_kwargs if regen is not None and regen.backend != "none" else {}
     return {**cfg.model.chat_template_kwargs, **cfg.data.chat_template_kwargs, **extra}
 
 

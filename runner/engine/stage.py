@@ -193,9 +193,13 @@ class Stage:
     # a stage that reads it finds it in ctx.inputs only when it is on.
     enabled: Callable[[RunnerConfig], bool] | None = None
     # Settings of its own: a dataclass (defaults, a `check()` raising ConfigError) that becomes
-    # the config section named after the stage (runner.core.schema.schema_for), read as
-    # `getattr(cfg, name)`; a conf/<name>/ group of options is optional.
+    # the config section named after the stage, or `section` (runner.core.schema.schema_for),
+    # read as `cfg.<section>`; a conf/<section>/ group of options is optional. vocab, regenerate
+    # and evaluate own theirs; prepare's, extract's and train's (data, extract, train) are still
+    # in runner/core/schema.py, read there by the companions and the integrations.
     settings: type | None = None
+    # The name of that section where it is not the stage's own (evaluate's is `eval`).
+    section: str | None = None
     # --- run ----------------------------------------------------------------------------------
     # Keep the scratch folder of a failed run, so the next run resumes from it.
     resumable: bool = False

@@ -63,6 +63,7 @@ from stages.evaluate.serving import (
     together,
     tokens_per_s,
 )
+from stages.evaluate.settings import EvalConfig
 from stages.evaluate.speed_check import agreement
 
 log = logging.getLogger("runner")
@@ -372,7 +373,7 @@ def plan(p: Plan, view: PlanView) -> None:
                 "heldout is skipped: eval.draft was trained elsewhere, on data this run does "
                 "not know",
             )
-        check_prompt_room(p, cfg, view, load_prompt_sets(cfg.eval))
+        check_prompt_room(p, cfg, view, load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts))
     except ConfigError as exc:
         p.error(exc.key, exc.message)
     context = cfg.model.max_context or target_context(view.target.config)
@@ -411,4 +412,6 @@ STAGE = Stage(
     results=results,
     plan=plan,
     gate=_gate,
+    settings=EvalConfig,
+    section="eval",
 )

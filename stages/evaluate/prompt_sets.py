@@ -11,9 +11,9 @@ from typing import Any
 
 from runner.assets.chat import load_tokenizer, render, template_kwargs
 from runner.assets.plan_tokenizer import file_stamp, plan_tokenizer, remembered
-from runner.assets.prompts import Prompt, messages, user_turns
+from runner.assets.prompts import Prompt, messages, prompt_set_name, user_turns
 from runner.assets.sources import load_prompts
-from runner.core.schema import RunnerConfig, prompt_set_name
+from runner.core.schema import RunnerConfig
 from runner.engine.stage import Plan, PlanView, StageContext
 from stages.evaluate.heldout import HELDOUT, consumed, heldout_prompts
 

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runner.core.schema import RunnerConfig, prompt_set_name
+from runner.assets.prompts import prompt_set_name
+from runner.core.schema import RunnerConfig
 from runner.serving.vllm_server import shell_command
 from stages.evaluate.prompt_sets import prompt_sources
 from stages.evaluate.serving import server_args

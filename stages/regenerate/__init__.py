@@ -51,6 +51,7 @@ from runner.engine import costs
 from runner.engine.console import bar_interval
 from runner.engine.stage import GENERATE, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.integrations.versions import VLLM_DISTS
+from stages.regenerate.settings import RegenerateConfig
 
 log = logging.getLogger("runner")
 
@@ -578,4 +579,5 @@ STAGE = Stage(
     ),
     resumable=True,
     enabled=enabled,
+    settings=RegenerateConfig,
 )

@@ -1,0 +1,134 @@
+"""The evaluate stage's settings: the config section `eval` (conf/eval/), typed and checked like
+every section, owned by the stage (Stage.settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from omegaconf import MISSING
+
+from runner.assets.prompts import prompt_set_name
+from runner.core.errors import ConfigError
+from runner.core.schema import above, at_least, within
+
+
+class Gates(StrEnum):
+    fail = "fail"
+    warn = "warn"
+
+
+class SpeedServers(StrEnum):
+    # Both evaluation servers up at once, each with half of the memory settings, the timed passes
+    # alternating between them: whatever slows the machine for a while slows both.
+    together = "together"
+    # One server after the other (a target only one server at a time can hold).
+    apart = "apart"
+    # together where the target's weights take at most a quarter of a GPU, else apart.
+    auto = "auto"
+
+
+# The most draft tokens a step evaluates (eval.num_speculative_tokens): published EAGLE-3 drafts
+# are served at k of 3 to 8.
+SPECULATIVE_TOKENS_MAX = 32
+
+
+@dataclass
+class EvalConfig:
+    name: str = MISSING
+    # Prompt sets, each measured on its own and pooled: "mtbench", "humaneval", or a local .jsonl
+    # file with a "prompt" (or "turns") field. The first is the run's objective.
+    prompts: list[str] = field(default_factory=lambda: ["mtbench"])
+    # At most this many prompts of each set (the first ones, in the set's own order).
+    num_prompts: int = 80
+    max_new_tokens: int = 128
+    num_speculative_tokens: int = 3
+    max_model_len: int = 2048
+    # A draft folder trained elsewhere (e.g. unpacked by runner.assets.transfer) to evaluate
+    # instead of
+    # this config's train artifact: `eval.draft=DIR run.stages=[evaluate]`.
+    draft: str | None = None
+    # Also serve a randomly initialised draft of the same shape, as a floor for comparison.
+    random_baseline: bool = False
+    # Also serve the target alone: checks greedy output is unchanged and measures the speed ratio.
+    compare_target: bool = True
+    # An output served with the draft that leaves the target's greedy path is a near tie (bf16
+    # kernels of another batch shape) when the token it took lies within this logprob gap of the
+    # target's own choice there; any other fails the identity check. 0.5: bf16 stores a logit of
+    # magnitude 32-64 to a spacing of 0.25, and two kernels summing in another order move it by
+    # a spacing or two. On one H200 the outputs that diverged did so at gaps of exactly 0 to 0.5
+    # in bf16 steps (docs/benchmarks.md); gaps read from fp32 logprobs get 1e-4 of slack
+    # (stages/evaluate/measures.py: LOGPROB_ROUNDING).
+    near_tie_gap: float = 0.5
+    # The speed ratio (draft-served over the target alone), measured on warm servers this many
+    # times at concurrency 1 and at the evaluation's batch (the first set's prompts), after one
+    # untimed pass; the ratio of the median rates. Each is a steady state: every user (one at
+    # concurrency 1, one per prompt at batch) sends its next request as soon as its last is
+    # answered, with no round waiting for its slowest request. null = 5 on a GPU, 0 on a CPU
+    # (vLLM's CPU build runs speculative decoding slower than the target).
+    speed_repeats: int | None = None
+    # Prompts (the first set's first ones) generated one after another for concurrency 1.
+    speed_prompts: int = 16
+    # Each timed pass counts at least this many seconds of answers (and every prompt once), from
+    # the moment every user has had one answer, so that a pass is not a window of under a
+    # second: on one H200 the 135M target's batch of 80 took under a second a round and its rate
+    # moved by 12% (sd) from one pass to the next, the draft's (2-3 s) by 10-22%; five such passes
+    # left each ratio a 95% interval of about ±20%. 0 = every prompt once.
+    speed_pass_s: float = 5.0
+    # After the stage's own timing, each server's speed measured again on the same warm server by
+    # other code (stages/evaluate/speed_check.py: another client, warm-up and count); the
+    # summary gives both ratios and says whether they agree within 10%. Costs the same time as
+    # the timing again.
+    speed_check: bool = False
+    # How the two servers the speed ratio compares are timed (SpeedServers above): on one H200 a
+    # server's rate moved by up to 40% from one pass to the next within a minute, with either
+    # client, so a ratio of servers timed minutes apart carries that.
+    speed_servers: SpeedServers = SpeedServers.auto
+    # Seconds allowed for generating all prompts on one vLLM server (start-up not included).
+    timeout_s: int = 1800
+    # A served draft whose acceptance length's 95% interval lies at or below this on any prompt
+    # set fails the run: a trained draft near 1.0 is a fault (the attention backend, the capture
+    # ids, the vocabulary mapping, a target other than the one trained on), not a figure.
+    # null: no floor.
+    acceptance_floor: float | None = 1.05
+    # fail: the floor and the identity check fail the run (exit 1, the MLflow run FAILED with the
+    # reason as its `failure` tag; publish takes finished runs only). warn: research runs go on,
+    # the summary's first line saying which gate failed.
+    gates: Gates = Gates.fail
+
+    def check(self) -> None:
+        for key in (
+            "num_prompts",
+            "max_new_tokens",
+            "num_speculative_tokens",
+            "timeout_s",
+            "speed_prompts",
+        ):
+            at_least(f"eval.{key}", getattr(self, key), 1)
+        if self.num_speculative_tokens > SPECULATIVE_TOKENS_MAX:
+            raise ConfigError(
+                "eval.num_speculative_tokens",
+                f"{self.num_speculative_tokens} is more than {SPECULATIVE_TOKENS_MAX}: vLLM's "
+                "config takes any positive k and a large one fails only once the target has "
+                "loaded, while an EAGLE-3 draft's acceptance is near zero after a few positions",
+            )
+        if self.acceptance_floor is not None:
+            within(
+                "eval.acceptance_floor", self.acceptance_floor, 1.0, 1.0 + SPECULATIVE_TOKENS_MAX
+            )
+        if self.speed_repeats is not None:
+            at_least("eval.speed_repeats", self.speed_repeats, 0)
+        at_least("eval.speed_pass_s", self.speed_pass_s, 0)
+        above("eval.near_tie_gap", self.near_tie_gap, 0)
+        names = [prompt_set_name(p) for p in self.prompts]
+        if not names or len(set(names)) != len(names):
+            raise ConfigError(
+                "eval.prompts",
+                f"{list(self.prompts)}: give at least one prompt set, each once (names {names})",
+            )
+        if self.max_model_len < self.max_new_tokens + 1:
+            raise ConfigError(
+                "eval.max_model_len",
+                f"{self.max_model_len} leaves no room for a prompt and eval.max_new_tokens="
+                f"{self.max_new_tokens}",
+            )
