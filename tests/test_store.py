@@ -281,3 +281,17 @@ def test_gc_finds_what_a_killed_publish_or_transfer_was_writing(tmp_path, monkey
     assert gc.main(["--root", str(root), "--delete"]) == 0
     assert not half.exists()
     assert list((tmp_path / "cache" / "eagle3-runner" / "writes").glob("*.json")) == []
+
+
+def test_a_full_disk_is_named_by_the_file_it_refused(tmp_path):
+    """A write refused for space names the file that was refused (a stage's scratch or the
+    system's temporary folder may be another filesystem than its output), else the output."""
+    import errno
+
+    from runner.core.store import full_path
+
+    refused = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "scratch" / "x"))
+    wrapped = RuntimeError("a library's own error")
+    wrapped.__cause__ = refused
+    assert full_path(wrapped, tmp_path / "store") == tmp_path / "scratch" / "x"
+    assert full_path(RuntimeError("no file named"), tmp_path / "store") == tmp_path / "store"

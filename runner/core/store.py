@@ -172,6 +172,20 @@ def disk_full(exc: BaseException, where: Path) -> bool:
         return False
 
 
+def full_path(exc: BaseException, where: Path) -> Path:
+    """The file a full disk refused (the error's own filename: a stage's scratch folder or the
+    system's temporary folder may lie on another filesystem than its output), else `where`."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        name = getattr(e, "filename", None)
+        if isinstance(e, OSError) and name and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return Path(name)
+        e = e.__cause__ or e.__context__
+    return where
+
+
 def damage(art: Artifact, full: bool = False, under: str = "") -> str | None:
     """What is wrong with a published artifact's files (those under `under`), or None.
 

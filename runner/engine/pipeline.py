@@ -38,6 +38,7 @@ from runner.core.store import (
     filesystem_root,
     fmt_bytes,
     free_bytes,
+    full_path,
 )
 from runner.engine.stage import Stage, StageContext, check_registry
 from runner.integrations.versions import versions
@@ -408,10 +409,10 @@ class Pipeline:
                 metrics = stage.run(ctx) or {}
             except (ConfigError, StageError) as exc:
                 if disk_full(exc, tmp):
-                    raise self._disk_full_error(p.name, tmp) from exc
+                    raise self._disk_full_error(p.name, full_path(exc, tmp)) from exc
                 raise
             except Exception as exc:
                 if disk_full(exc, tmp):  # the partial output is still there: the disk is full
-                    raise self._disk_full_error(p.name, tmp) from exc
+                    raise self._disk_full_error(p.name, full_path(exc, tmp)) from exc
                 raise StageError(f"stage '{p.name}' failed: {type(exc).__name__}: {exc}") from exc
             manifest["metrics"] = {**manifest["metrics"], **metrics}
