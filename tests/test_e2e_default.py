@@ -27,8 +27,9 @@ REDUCED = [
     "eval.num_prompts=6",
     "eval.max_new_tokens=24",
     "eval.random_baseline=true",
-    # 48 rows, one epoch: about 1.07 on six prompts; the gate's floor below that.
-    "eval.acceptance_floor=1.01",
+    # 48 rows, one epoch: about 1.07 on MT-bench's six prompts and 1.000 on HumanEval's (it
+    # accepts nothing there): no floor here. The floor's own test serves a random draft.
+    "eval.acceptance_floor=null",
     # The warm speed measurement, once, on two prompts (a CPU's figure is for the record only).
     "eval.speed_repeats=1",
     "eval.speed_prompts=2",
