@@ -234,7 +234,7 @@ def test_the_old_draft_vocab_key_still_works_and_says_where_it_moved(caplog):
 def test_the_quick_preset_is_a_marked_smoke_test_that_passes_the_checks():
     cfg = typed(compose(["preset=quick"]))
     assert cfg.run.smoke_test and cfg.data.num_samples == 100 and cfg.train.epochs == 1
-    assert cfg.eval.num_prompts == 10 and cfg.eval.speed_repeats == 1
+    assert cfg.eval.num_prompts == 10 and cfg.eval.speed_repeats == 1 and cfg.eval.gates == "warn"
     cfg.check(tuple(s.name for s in REGISTRY))
     assert not typed(compose([])).run.smoke_test
 
