@@ -251,7 +251,8 @@ def test_a_draft_that_serves_at_1_fails_the_run_unless_gates_warn(runs, tmp_path
     from stages.evaluate.serving import random_draft
 
     first, _ = runs
-    rand = random_draft(first.results["train"].manifest, tmp_path / "random")
+    manifest = json.loads((first.results["train"].path / "manifest.json").read_text())
+    rand = random_draft(manifest, tmp_path / "random")
     root = tmp_path / "out"
     base = [
         *REDUCED,
