@@ -5,8 +5,8 @@ delay with a fixed token count. A client that reads a fast server lower than a s
 work per request or per round eats into short requests) biases the draft-over-target ratio; this
 prints each client's fraction of the true rate at each delay and the bias that leaves in a ratio.
 
-The delays default to what one H200 measured on the embedded default's servers (seventh and
-eighth sessions, docs/benchmarks.md): at concurrency 1, 96-token answers at 452 tok/s (target) and
+The delays default to what one H200 measured on the embedded default's servers (2026-12-03,
+docs/benchmarks.md): at concurrency 1, 96-token answers at 452 tok/s (target) and
 301 tok/s (draft-served); at a batch of 80, 16.4k and 6.0k tok/s. The stand-in runs in its own
 process, so that it does not share this one's interpreter lock with the clients.
 
