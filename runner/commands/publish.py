@@ -35,7 +35,7 @@ from runner.core.interrupts import companion
 from runner.core.layout import default_root
 from runner.core.store import new_folder
 from runner.tracking.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, RESULTS_FILE
-from runner.tracking.runs import follow_moved_root, missing_store, tracking_uri
+from runner.tracking.runs import store_to_read
 
 
 def _find_run(client: Any, experiment: str, run_id: str | None) -> Any:
@@ -378,12 +378,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     root = Path(args.output_root).expanduser().resolve()
-    uri = tracking_uri(args.tracking_uri, root)
-    problem = missing_store(uri)
+    uri, problem = store_to_read(args.tracking_uri, root)
     if problem:  # --output-root or --tracking-uri names no store this command can read
         print(f"publish: {problem}", file=sys.stderr)
         return 2
-    follow_moved_root(uri, root)  # a copied root publishes its own draft, a moved one finds it
     # (its bar for the one small results file it downloads would be most of the output)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow  # seconds to import; after the cheap checks

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.core.layout import default_root
-from runner.tracking.runs import follow_moved_root, missing_store, tracking_uri
+from runner.tracking.runs import store_to_read
 from runner.tracking.sweep import TABLE_WIDTH, comparison_rows, render_table, run_row
 
 
@@ -39,12 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.parent = args.parent or args.run_id
     root = Path(args.output_root).expanduser().resolve()
-    uri = tracking_uri(args.tracking_uri, root)
-    problem = missing_store(uri)
+    uri, problem = store_to_read(args.tracking_uri, root)
     if problem:  # --output-root or --tracking-uri names no store this command can read
         print(f"report: {problem}", file=sys.stderr)
         return 2
-    follow_moved_root(uri, root)  # a copied or moved root's runs read its own artifacts
     import mlflow  # seconds to import; after the cheap checks
 
     client = mlflow.MlflowClient(uri)

@@ -247,6 +247,17 @@ def missing_store(uri: str) -> str | None:
     return sqlite_damage(db)  # opening an emptied store would write a new one over it
 
 
+def store_to_read(configured: str | None, output_root: Path) -> tuple[str, str | None]:
+    """For a command that reads a root's runs (report, publish): the store's URI and why it
+    cannot be read (None: it can). A readable root copied or moved here is first pointed at
+    itself, so the command acts on this root's files."""
+    uri = tracking_uri(configured, output_root)
+    problem = missing_store(uri)
+    if problem is None:
+        follow_moved_root(uri, output_root)
+    return uri, problem
+
+
 def follow_moved_root(uri: str, output_root: Path) -> Path | None:
     """The root's own store, copied or moved here from another root, still names the old
     root's folders: point them here, so that a run, publish or report in this root reads and
