@@ -271,7 +271,23 @@ def test_a_draft_that_serves_at_1_fails_the_run_unless_gates_warn(runs, tmp_path
     (failed,) = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id])
     assert failed.info.status == "FAILED"
     assert "attention backend" in failed.data.tags["failure"]
-    warned = run_job(compose([*base, "eval.gates=warn"]))
+    # The research run also names its serving settings (the CPU build's own kernel): the real
+    # server takes them, and served.json and the serve command record them.
+    settings = {
+        "attention_backend": "CPU_ATTN",
+        "draft_attention_backend": "CPU_ATTN",
+        "kv_cache_dtype": "auto",
+        "rejection_sample_method": "standard",
+    }
+    warned = run_job(
+        compose(
+            [*base, "eval.gates=warn", *(f"hardware.vllm.{k}={v}" for k, v in settings.items())]
+        )
+    )
     assert warned.results["evaluate"].metrics["acceptance_length_ci_high"] <= 1.05
+    served = json.loads((warned.results["evaluate"].path / "served.json").read_text())
+    assert served["serving"] == settings
+    assert "--attention-backend CPU_ATTN" in served["serve_command"]
+    assert '"attention_backend": "CPU_ATTN"' in served["serve_command"]
     runs_now = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id])
     assert sorted(r.info.status for r in runs_now) == ["FAILED", "FINISHED"]

@@ -33,7 +33,9 @@ from typing import Any
 from runner.assets.target_facts import hub_repo_id
 from runner.core.interrupts import companion
 from runner.core.layout import default_root
+from runner.core.schema import VllmLaunchConfig
 from runner.core.store import new_folder
+from runner.serving.settings import draft_fields, target_flags
 from runner.tracking.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, RESULTS_FILE
 from runner.tracking.runs import store_to_read
 
@@ -200,6 +202,18 @@ def card_datasets(params: dict[str, str]) -> list[str]:
     return found
 
 
+def served_settings(params: dict[str, str]) -> VllmLaunchConfig:
+    """The run's serving settings (hardware.vllm.attention_backend and its kin) from its MLflow
+    params: the card's serve command uses the kernels and KV cache dtype it was measured with."""
+    found = {}
+    for name in ("attention_backend", "draft_attention_backend", "kv_cache_dtype",
+                 "rejection_sample_method", "cudagraph_mode"):  # fmt: skip
+        value = params.get(f"hardware.vllm.{name}")
+        if value not in (None, "", "None"):
+            found[name] = value
+    return VllmLaunchConfig(**found)
+
+
 def draft_attention(draft_config: dict[str, Any]) -> str:
     """Each draft layer's attention as the draft's config gives it to vLLM."""
     layer = draft_config.get("transformer_layer_config", {})
@@ -224,8 +238,23 @@ def model_card(
     hub = hub_repo_id(ours.get("target_hub_id")) or hub_repo_id(p.get("model.hub_id"))
     target = hub or f"{p.get('model.name')} (a local model: set model.hub_id to name it)"
     k = int(p.get("eval.num_speculative_tokens", "3"))
-    spec = {"method": "eagle3", "model": repo, "num_speculative_tokens": k}
-    serve = shlex.join(["vllm", "serve", hub or "TARGET", "--speculative-config", json.dumps(spec)])
+    served = served_settings(p)
+    spec = {
+        "method": "eagle3",
+        "model": repo,
+        "num_speculative_tokens": k,
+        **draft_fields(served, mla=False),  # the drafts this runner trains: standard attention
+    }
+    serve = shlex.join(
+        [
+            "vllm",
+            "serve",
+            hub or "TARGET",
+            *target_flags(served),
+            "--speculative-config",
+            json.dumps(spec),
+        ]
+    )
     if p.get("model.trust_remote_code") == "True":
         serve += " --trust-remote-code"
     found = results if results is not None else run_results(run)

@@ -279,6 +279,34 @@ class VllmLaunchConfig:
     # this box, each on its own tensor_parallel_size GPUs (data_parallel x tensor_parallel_size
     # <= num_gpus): e.g. 4 on an 8-GPU box for a target that fits TP 2.
     data_parallel: int = 1
+    # The serving settings that decide whether a draft is accepted at all, passed to every server
+    # the runner starts and recorded in the plan, MLflow, served.json and the card's serve
+    # command (docs/evaluation.md, "Serving settings"). null: vLLM's own choice. The plan checks
+    # the names and refuses combinations known to give zero acceptance
+    # (runner/serving/settings.py).
+    # The target's attention kernel (--attention-backend), e.g. TRITON_MLA for an MLA target.
+    attention_backend: str | None = None
+    # The kernel of a draft with standard attention (what this runner trains), e.g. TRITON_ATTN
+    # under an MLA target whose kernel the draft cannot use. A draft with MLA attention (such as
+    # a public Kimi draft given as eval.baseline_draft) shares the target's attention_backend.
+    draft_attention_backend: str | None = None
+    # The KV cache's dtype (--kv-cache-dtype): auto, fp8, fp8_e4m3, ...; the draft inherits it.
+    kv_cache_dtype: str | None = None
+    # How drafted tokens are verified: standard (token by token) or block (jointly);
+    # vLLM's synthetic method accepts tokens at a set rate and is refused: it measures nothing.
+    rejection_sample_method: str | None = None
+    # CUDA graphs (--compilation-config cudagraph_mode): NONE, PIECEWISE, FULL,
+    # FULL_DECODE_ONLY or FULL_AND_PIECEWISE.
+    cudagraph_mode: str | None = None
+
+    def serving(self, target_only: bool = False) -> dict[str, str]:
+        """The serving settings that are set, by key (for the plan, served.json, the card);
+        `target_only`: those of the target's own forward (what extraction and regeneration's
+        outputs depend on), not the draft's."""
+        names = ("attention_backend", "kv_cache_dtype", "cudagraph_mode")
+        if not target_only:
+            names += ("draft_attention_backend", "rejection_sample_method")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def check(self) -> None:
         _at_least("hardware.vllm.data_parallel", self.data_parallel, 1)
@@ -346,6 +374,9 @@ class HardwareConfig:
     # The GPU model ("H200", "RTX PRO 6000"), for the plan's time and GPU-hour estimates from
     # measured rates (runner/rates.yaml); null = no estimates.
     gpu_kind: str | None = None
+    # The GPU's compute capability ("12.0"), for the serving settings' checks; null = known from
+    # gpu_kind (runner/serving/settings.py) or not checked.
+    compute_capability: str | None = None
     # Boxes of this hardware the run uses: training runs num_nodes x num_gpus ranks (torchrun
     # with a c10d rendezvous; under Slurm one task per node), and the plan's costs count them.
     num_nodes: int = 1

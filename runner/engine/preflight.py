@@ -33,10 +33,13 @@ from runner.integrations.vllm import (
     MIN_VLLM_DEFAULT,
     engine_args_problem,
     known_limits,
+    ledger,
+    serving_facts,
     unchecked,
     vllm_eagle3_support,
 )
 from runner.serving import endpoint
+from runner.serving.settings import capability, problems, unset_warning
 from runner.tracking.runs import check_store, tracking_uri
 
 GiB = 1 << 30
@@ -187,6 +190,72 @@ def _engine_limits(
     on_cpu = cfg.hardware.device == "cpu" and not cfg.hardware.vllm.endpoint
     for key, message in known_limits(text, target.facts.extract_ids, drafts, on_cpu):
         plan.error(key, message)
+
+
+def _serving_lines(
+    plan: Plan, cfg: RunnerConfig, target: Target, needs: dict[str, ServerNeed]
+) -> None:
+    """The serving settings (hardware.vllm.attention_backend and its kin): what they are, what
+    the installed vLLM has of the fixes the field needed, and a refusal of what cannot work."""
+    v = cfg.hardware.vllm
+    set_ = v.serving()
+    if not needs:
+        return
+    text = target.config.get("text_config") or target.config
+    mla = bool(text.get("kv_lora_rank"))
+    shown = ", ".join(f"{k} {val}" for k, val in set_.items()) or "vLLM's own choices"
+    plan.add("serving", f"{shown} ({'MLA' if mla else 'standard attention'} target)")
+    if v.endpoint:
+        if set_:
+            plan.warn(
+                "hardware.vllm.endpoint",
+                f"the server there was started by someone else: {', '.join(set_)} are not "
+                "applied to it; start it with the same settings",
+            )
+        return
+    facts = None
+    # Asking vLLM takes seconds the first time: only where a GPU serves or a setting is set.
+    if not v.command and (set_ or cfg.hardware.device == "cuda"):
+        dist, have = installed(*VLLM_DISTS)
+        if have != ABSENT:
+            facts = serving_facts(have)
+            has = ledger(facts)
+            words = {True: "has", False: "lacks", None: "cannot tell"}
+            parts = [
+                f"{words[ok]} " + ", ".join(n for n, o in has if o is ok)
+                for ok in (True, False, None)
+                if any(o is ok for _, o in has)
+            ]
+            plan.add(
+                "vLLM fixes",
+                f"{dist} {have} " + "; ".join(parts) + " (runner/integrations/vllm.py LEDGER)",
+            )
+            cc = capability(cfg.hardware)
+            if (
+                v.attention_backend == "FLASHINFER_MLA"
+                and cc
+                and cc.startswith("12.")
+                and (facts or {}).get("flashinfer_mla_sm12x") is False
+            ):
+                plan.error(
+                    "hardware.vllm.attention_backend",
+                    f"vLLM {have}'s FLASHINFER_MLA does not run on compute capability {cc}; "
+                    "use TRITON_MLA",
+                )
+            fields = (facts or {}).get("speculative_fields")
+            for key in ("attention_backend", "rejection_sample_method"):
+                ours = "draft_attention_backend" if key == "attention_backend" else key
+                if getattr(v, ours) and fields is not None and key not in fields:
+                    plan.error(
+                        f"hardware.vllm.{ours}",
+                        f"vLLM {have}'s speculative config has no {key}; leave it null or use a "
+                        "vLLM that has it",
+                    )
+    drafts = any(n.kind == DRAFT for n in needs.values())
+    for key, why in problems(cfg.hardware, mla, facts, draft_served=drafts):
+        plan.error(key, why)
+    if why := unset_warning(cfg.hardware, mla):
+        plan.warn("hardware.vllm.attention_backend", why)
 
 
 def _probe_tokens(cfg: RunnerConfig, target: Target) -> list[int] | None:
@@ -385,6 +454,7 @@ def build_plan(
     else:
         _engine_lines(plan, cfg, target, needs)
     _engine_limits(plan, cfg, target, needs)
+    _serving_lines(plan, cfg, target, needs)
     costs.total_lines(plan, cfg)
     plan.add("environment", ", ".join(f"{k}={v}" for k, v in cfg.hardware.env.items()) or "(none)")
     _launcher_lines(plan, layout.root)

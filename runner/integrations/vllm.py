@@ -176,3 +176,100 @@ def engine_args_problem(args: list[str], version: str) -> str | None:
         return errors[-1].split("error:", 1)[1].strip(), True
 
     return remembered(_cache_file(), f"args:{version}:{json.dumps(args)}", ask)
+
+
+# What the installed vLLM offers the serving settings (hardware.vllm.attention_backend and its
+# kin, runner/serving/settings.py), asked in a child process like _PROBE: the names it takes,
+# and the behaviours of the LEDGER below. Each answer is None where vLLM could not be asked
+# (e.g. FlashInfer absent from a CPU build).
+_SERVING_PROBE = """
+import json, typing
+out = {}
+def ask(name, fn):
+    try:
+        out[name] = fn()
+    except Exception:
+        out[name] = None
+def backends():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    return [a.name for a in AttentionBackendEnum]
+def kv_cache_dtypes():
+    from vllm.config.cache import CacheDType
+    return list(typing.get_args(CacheDType))
+def cudagraph_modes():
+    from vllm.config.compilation import CUDAGraphMode
+    return [m.name for m in CUDAGraphMode]
+def speculative_fields():
+    from vllm.config.speculative import SpeculativeConfig
+    return sorted(SpeculativeConfig.__dataclass_fields__)
+def triton_mla_graphs():
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
+    return TritonMLABackend.get_builder_cls()._cudagraph_support.name
+def flashinfer_mla_sm12x():
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.mla.flashinfer_mla import FlashInferMLABackend
+    return bool(FlashInferMLABackend.supports_compute_capability(DeviceCapability(12, 0)))
+for name, fn in list(globals().items()):
+    if callable(fn) and getattr(fn, "__module__", None) == "__main__" and name != "ask":
+        ask(name, fn)
+print(json.dumps(out))
+"""
+_SERVING_PROBE_VERSION = "1"
+
+# What the field learned serving an MLA target with an EAGLE-3 draft on compute capability 12.x
+# (8x RTX PRO 6000; vLLM #40608, the voipmonitor/rtx6kpro benchmarks), as behaviours the
+# installed vLLM is asked about: (name, what it brings, how it is found, the good answer).
+# Releases are not named: the fixes landed as pull requests and the probe reads the code itself.
+LEDGER = (
+    (
+        "draft backend split",
+        "the draft's own attention backend (speculative config attention_backend), needed for "
+        "a standard-attention draft under an MLA kernel (vLLM #40608)",
+        "speculative_fields",
+        lambda v: v is not None and "attention_backend" in v,
+    ),
+    (
+        "TRITON_MLA full CUDA graphs",
+        "the verify shapes of EAGLE-3 decode captured whole on TRITON_MLA; without it "
+        "speculation decoded slower than the target alone at long context (vLLM #40609, #42885)",
+        "triton_mla_graphs",
+        lambda v: v is not None and v != "NEVER",
+    ),
+    (
+        "block verification",
+        "rejection_sample_method (standard, block) in the speculative config",
+        "speculative_fields",
+        lambda v: v is not None and "rejection_sample_method" in v,
+    ),
+)
+
+
+def serving_facts(version: str) -> dict[str, Any] | None:
+    """The installed vLLM's answers to _SERVING_PROBE, remembered per version (None if it could
+    not be asked at all)."""
+
+    def ask() -> tuple[dict[str, Any] | None, bool]:
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", _SERVING_PROBE],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=True,
+            ).stdout
+            return json.loads(out.strip().splitlines()[-1]), True
+        except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+            return None, False
+
+    return remembered(_cache_file(), f"serving:{version}:{_SERVING_PROBE_VERSION}", ask)
+
+
+def ledger(facts: dict[str, Any] | None) -> list[tuple[str, bool | None]]:
+    """Each LEDGER behaviour and whether the installed vLLM has it (None: not known)."""
+    if facts is None:
+        return [(name, None) for name, *_ in LEDGER]
+    found = []
+    for name, _, probe, good in LEDGER:
+        answer = facts.get(probe)
+        found.append((name, None if answer is None else bool(good(answer))))
+    return found

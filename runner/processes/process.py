@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -142,7 +143,7 @@ class ManagedProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log.info("[%s] starting: %s", self.label, " ".join(self.command))
+        log.info("[%s] starting: %s", self.label, shlex.join(self.command))
         log.info("[%s] log: %s", self.label, self.log_path)
         self.started_at = time.time()
         self._logf = open(self.log_path, "ab")  # noqa: SIM115 (open while it runs; stop() closes it)

@@ -50,6 +50,7 @@ from runner import SOURCE_ROOT
 from runner.core.errors import StageError
 from runner.core.schema import RunnerConfig
 from runner.processes.process import ManagedProcess
+from runner.serving.settings import target_flags
 
 log = logging.getLogger("runner")
 
@@ -102,7 +103,8 @@ def free_port() -> int:
 
 
 def engine_args(cfg: RunnerConfig, max_model_len: int) -> list[str]:
-    """The flags every server the runner starts shares, from `hardware` and `model`."""
+    """The flags every server the runner starts shares, from `hardware` and `model`, the
+    serving settings (attention kernel, KV cache dtype, CUDA graphs) among them."""
     hw = cfg.hardware
     args = [
         "--dtype",
@@ -125,7 +127,7 @@ def engine_args(cfg: RunnerConfig, max_model_len: int) -> list[str]:
         )  # CUDA graphs and torch.compile only add start-up time on CPU
     if cfg.model.trust_remote_code:
         args.append("--trust-remote-code")
-    return args
+    return args + target_flags(hw.vllm)
 
 
 class _ServerApi:

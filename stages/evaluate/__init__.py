@@ -35,7 +35,7 @@ from runner.core.schema import RunnerConfig
 from runner.core.store import damage
 from runner.engine import costs
 from runner.engine.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
-from runner.integrations.versions import VLLM_DISTS
+from runner.integrations.versions import VLLM_DISTS, versions
 from runner.serving.vllm_server import shell_command
 from stages.evaluate.draft_fit import misfits
 from stages.evaluate.heldout import HELDOUT
@@ -106,6 +106,8 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         **({"heldout": "multi-turn"} if HELDOUT in prompt_sources(cfg) else {}),
         # Measured on a server the runner did not start: another measurement than its own.
         **({"endpoint": cfg.hardware.vllm.endpoint} if cfg.hardware.vllm.endpoint else {}),
+        # Another kernel or KV cache dtype is another measurement (unset: as before they were).
+        **({"serving": cfg.hardware.vllm.serving()} if cfg.hardware.vllm.serving() else {}),
     }
 
 
@@ -144,7 +146,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         "draft": str(draft),
         # What a user pastes to serve it as measured (publish rewrites the draft's path).
         "serve_command": shell_command(cfg, ctx.facts.path, server_args(cfg, draft)),
+        # The settings that decide acceptance (attention kernels, KV cache dtype, ...), and
+        # the engine that served them.
+        "serving": cfg.hardware.vllm.serving(),
+        "vllm": versions({"vllm": VLLM_DISTS})["vllm"],
     }
+    (ctx.out / "served.json").write_text(json.dumps(ctx.manifest["served"], indent=2))
     ctx.manifest["prompt_sets"] = {name: len(p) for name, p in sets.items()}
     existing = cfg.hardware.vllm.endpoint is not None
     comparing = e.compare_target and not existing

@@ -22,6 +22,7 @@ from runner.core.schema import RunnerConfig
 from runner.integrations.speculators import recorded_settings, resolve_train_config
 from runner.integrations.versions import VLLM_DISTS, installed
 from runner.integrations.vllm import per_request_spec_metrics
+from runner.serving.settings import draft_fields
 from runner.serving.vllm_server import (
     ExistingServer,
     VllmServer,
@@ -42,17 +43,30 @@ def server_args(cfg: RunnerConfig, draft: Path | None) -> list[str]:
     if draft is not None and per_request_in_responses(cfg):
         args += ["--per-request-spec-decode-metrics", "summary"]
     if draft is not None:
-        args += [
-            "--speculative-config",
-            json.dumps(
-                {
-                    "method": "eagle3",
-                    "model": str(draft),
-                    "num_speculative_tokens": cfg.eval.num_speculative_tokens,
-                }
-            ),
-        ]
+        spec = {
+            "method": "eagle3",
+            "model": str(draft),
+            "num_speculative_tokens": cfg.eval.num_speculative_tokens,
+            **draft_fields(cfg.hardware.vllm, draft_is_mla(draft)),
+        }
+        args += ["--speculative-config", json.dumps(spec)]
     return args
+
+
+def draft_is_mla(draft: Path) -> bool:
+    """Whether a draft folder's attention is MLA (a latent KV rank anywhere in its config, as in
+    public MLA drafts of Kimi-K2.5); the drafts this runner trains have standard attention."""
+    try:
+        config = json.loads((Path(draft) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+    def rank(node: Any) -> bool:
+        if isinstance(node, dict):
+            return bool(node.get("kv_lora_rank")) or any(rank(v) for v in node.values())
+        return isinstance(node, list) and any(rank(v) for v in node)
+
+    return rank(config)
 
 
 def per_request_in_responses(cfg: RunnerConfig) -> bool:

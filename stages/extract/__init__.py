@@ -64,6 +64,12 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
             if cfg.extract.backend == "vllm"
             else {}
         ),
+        # The target's kernel and KV cache dtype change the states a server captures.
+        **(
+            {"serving": cfg.hardware.vllm.serving(target_only=True)}
+            if cfg.extract.backend == "vllm" and cfg.hardware.vllm.serving(target_only=True)
+            else {}
+        ),
     }
 
 
@@ -99,6 +105,7 @@ def _record_online(ctx: StageContext) -> dict[str, Any]:
         # The flags of the server the train stage starts (its hidden-state folder is in the
         # train stage's work folder); with an endpoint, the flags that server must have.
         "server_args": server_args(cfg, facts, Path("<train work folder>/online_states")),
+        "serving": cfg.hardware.vllm.serving(),
         "model": facts.path,
     }
     (ctx.out / "served.json").write_text(json.dumps(record, indent=2))
