@@ -318,3 +318,45 @@ def test_the_sweep_figure_does_not_zoom_a_small_difference_into_a_cliff():
     low, high = fig.axes[0].get_ylim()
     plt.close(fig)
     assert low == 0.0 and 1.12 < high < 1.3
+
+
+# The field's gains on 8x RTX PRO 6000 with Kimi and a public draft at k=3 (draft-served and
+# target-alone aggregate tokens/s by closed-loop streams; vLLM #40608).
+FIELD = {1: (114.1, 88.5), 16: (659.0, 475.0), 64: (1522.0, 1330.0), 128: (1992.0, 2026.0)}
+
+
+def test_the_gain_by_concurrency_has_per_stream_rates_and_its_crossover():
+    from stages.evaluate.measures import by_concurrency, crossover, speed_metrics
+
+    # Three repeats per level, each within 1% of the field's figure.
+    draft = {f"c{n}": [d * 0.99, d, d * 1.01] for n, (d, _) in FIELD.items()}
+    target = {f"c{n}": [t, t * 1.01, t * 0.99] for n, (_, t) in FIELD.items()}
+    rows = by_concurrency(speed_metrics(draft, target), [1, 16, 64, 128])
+    assert [r["concurrency"] for r in rows] == [1, 16, 64, 128]
+    assert [round(r["gain"], 2) for r in rows] == [1.29, 1.39, 1.14, 0.98]
+    assert rows[1]["draft_tok_s_per_stream"] == pytest.approx(659.0 / 16)
+    assert all(r["gain_ci_low"] < r["gain"] < r["gain_ci_high"] for r in rows)
+    found = crossover(rows)
+    assert found["speed_crossover"] == 128 and found["speed_pays_up_to"] == 64
+    # 0.98 with repeats 2% apart: its interval reaches above 1, so the crossover is not certain.
+    assert found["speed_crossover"] and not found["speed_crossover_certain"]
+    # A draft that pays everywhere has no crossover.
+    assert "speed_crossover" not in crossover(rows[:3])
+
+
+def test_the_kv_capacity_is_read_from_vllms_own_start_up_line():
+    from runner.serving.vllm_server import kv_capacity
+
+    gpu = (
+        "(EngineCore_DP0 pid=1) INFO 12-06 [kv_cache_utils.py:1087] GPU KV cache size: "
+        "1,770,000 tokens, Maximum concurrency for 4,096 tokens per request: 432.13x\n"
+    )
+    assert kv_capacity("noise\n" + gpu) == {
+        "kv_cache_tokens": 1770000,
+        "kv_tokens_per_request": 4096,
+        "kv_max_concurrency": 432.13,
+    }
+    cpu = gpu.replace("GPU", "CPU").replace("1,770,000", "45,006")
+    # Two engine cores: the smaller is what each can hold.
+    assert kv_capacity(gpu + cpu)["kv_cache_tokens"] == 45006
+    assert kv_capacity("no such line") is None

@@ -124,7 +124,9 @@ def test_with_the_check_each_timing_has_the_independent_clients_beside_it():
         )
         for label, s in stand_ins.items()
     }
-    e = SimpleNamespace(max_new_tokens=TOKENS, timeout_s=60, speed_pass_s=0, speed_prompts=2)
+    e = SimpleNamespace(
+        max_new_tokens=TOKENS, timeout_s=60, speed_pass_s=0, speed_prompts=2, concurrency=[]
+    )
     out = serving._speed(servers, PROMPTS[:4], SimpleNamespace(eval=e), repeats=3, check=True)
     timings = []
     for label in servers:
@@ -141,3 +143,39 @@ def test_with_the_check_each_timing_has_the_independent_clients_beside_it():
     # Without the check, only the stage's timings.
     alone = serving._speed(servers, PROMPTS[:4], SimpleNamespace(eval=e), repeats=2)
     assert "check" not in alone["draft"] and len(alone["target"]["batch"]) == 2
+
+
+def _server(stand_in: StandIn) -> SimpleNamespace:
+    return SimpleNamespace(
+        model_id="m", base=stand_in.base, url=f"{stand_in.base}/v1", check_alive=lambda: None
+    )
+
+
+def test_each_concurrency_level_holds_that_many_streams_on_the_server():
+    """eval.concurrency: at level n, n closed-loop users share the prompts (more users than
+    prompts wrap round), so the server holds n requests; each level is timed on both servers at
+    every repeat, and the independent client times only concurrency 1 and the batch."""
+    from stages.evaluate import serving
+
+    e = SimpleNamespace(
+        max_new_tokens=TOKENS, timeout_s=60, speed_pass_s=0.3, speed_prompts=2, concurrency=[]
+    )
+    for n in (3, 12):
+        stand_in = StandIn(delay=0.02)
+        rate = asyncio.run(
+            serving._rate(_server(stand_in), PROMPTS, SimpleNamespace(eval=e), False, n)
+        )
+        assert stand_in.most_in_flight == n and rate > 0
+        assert set(stand_in.asked) == set(PROMPTS)
+    e.concurrency, e.speed_pass_s = [1, 3, 12], 0
+    servers = {label: _server(StandIn(delay=0.01)) for label in ("draft", "target")}
+    out = serving._speed(servers, PROMPTS, SimpleNamespace(eval=e), repeats=2, check=True)
+    for label in servers:
+        assert [k for k, v in out[label].items() if isinstance(v, list)] == [
+            "c1",
+            "batch",
+            "c3",
+            "c12",
+        ]
+        assert all(len(out[label][k]) == 2 for k in ("c1", "batch", "c3", "c12"))
+        assert "c3" not in out[label]["check"]

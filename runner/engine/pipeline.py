@@ -299,7 +299,8 @@ class Pipeline:
             if not (stage.curves and k.startswith(stage.curve_copies))
         }
         self.tracker.log_metrics(metrics, prefix=f"{p.name}/")
-        if stage.curves and status == "cached" and (art.path / stage.curves).is_file():
+        replay = status == "cached" or not stage.curves_live
+        if stage.curves and replay and (art.path / stage.curves).is_file():
             self.tracker.replay_curves(art.path / stage.curves)
         # Honest cost: wall time this job spent, and what computing the artifact cost once.
         self.tracker.log_metrics(

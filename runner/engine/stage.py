@@ -248,6 +248,9 @@ class Stage:
     # `curve_copies` repeat those curves' last values and are not logged again.
     curves: str | None = None
     curve_copies: tuple[str, ...] = ()
+    # False: the stage writes the curves' file itself and nothing logs them while it computes,
+    # so a computed run logs them from the file as a reused one does.
+    curves_live: bool = True
     # (metrics, artifact path) -> {artifact file: rows (list of dicts)}, logged with
     # mlflow.log_table so that the UI shows them as tables.
     tables: Callable[[Mapping[str, Any], Path], dict[str, list[dict[str, Any]]]] | None = None

@@ -36,11 +36,13 @@ from runner.core.store import damage
 from runner.engine import costs
 from runner.engine.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.integrations.versions import VLLM_DISTS, versions
-from runner.serving.vllm_server import shell_command
+from runner.serving.vllm_server import kv_capacity, shell_command
 from stages.evaluate.draft_fit import misfits
 from stages.evaluate.heldout import HELDOUT
 from stages.evaluate.measures import (
     acceptance,
+    by_concurrency,
+    crossover,
     divergence,
     gate,
     identity_counts,
@@ -67,6 +69,15 @@ from stages.evaluate.settings import EvalConfig
 from stages.evaluate.speed_check import agreement
 
 log = logging.getLogger("runner")
+# The speed by concurrency level as step records (Stage.curves): MLflow series, level as step.
+CURVES = "concurrency_curves.jsonl"
+CURVED = (
+    "gain",
+    "draft_tok_s",
+    "target_tok_s",
+    "draft_tok_s_per_stream",
+    "target_tok_s_per_stream",
+)
 _NOT_IN_KEY = ("name", "timeout_s")
 
 
@@ -93,6 +104,8 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         del e["speed_check"]  # off: the same measurement as before the setting existed
     if e["speed_servers"] == "auto":
         del e["speed_servers"]  # (likewise)
+    if not e["concurrency"]:
+        del e["concurrency"]  # (likewise)
     if not speed_repeats(cfg):
         del e["speed_pass_s"]  # no speed measured (a CPU's default): the passes' length is moot
     if cfg.eval.draft:
@@ -232,6 +245,24 @@ def run(ctx: StageContext) -> dict[str, Any]:
                     metrics[f"{server}_compile_cold"] = int(speed["compile_cache"] == "cold")
             metrics["speed_repeats"] = repeats
             metrics["speed_batch"] = len(sets[first])
+            levels = by_concurrency(metrics, list(e.concurrency))
+            if levels:
+                metrics.update(crossover(levels))
+                (ctx.out / "concurrency.json").write_text(json.dumps(levels, indent=1))
+                # One series per figure with the level as its step: MLflow draws each as one
+                # chart of gain (or tokens/s) against concurrency.
+                (ctx.out / CURVES).write_text(
+                    "".join(
+                        json.dumps(
+                            {
+                                "step": r["concurrency"],
+                                **{f"evaluate/{k}_by_concurrency": r[k] for k in CURVED},
+                            }
+                        )
+                        + "\n"
+                        for r in levels
+                    )
+                )
         metrics.update(identity_counts(differs))
         report_mismatches(differs)
     if e.random_baseline and not existing and train_art is not None:
@@ -267,10 +298,29 @@ def run(ctx: StageContext) -> dict[str, Any]:
         for i, p in enumerate(prompts)
     ]
     (ctx.out / "eval_table.json").write_text(json.dumps(table, indent=1))
-    (ctx.out / "summary.json").write_text(json.dumps(metrics, indent=2))
     if logs.is_dir():  # none with an existing server: its log is on its machine
         shutil.copytree(logs, ctx.out / "logs")
+    metrics.update(_kv_capacity(ctx.out / "logs"))
+    (ctx.out / "summary.json").write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def _kv_capacity(logs: Path) -> dict[str, float]:
+    """Each server's KV capacity as vLLM's own start-up line states it (tokens, and requests of
+    eval.max_model_len at once), and the share of the target's that the draft costs: the
+    draft's cache and buffers take memory the target would give its KV cache, which is why
+    past some concurrency speculation stops paying."""
+    out: dict[str, float] = {}
+    for label in ("draft", "target"):
+        try:
+            found = kv_capacity((logs / f"vllm_{label}.log").read_text(errors="replace"))
+        except OSError:
+            continue
+        for k, v in (found or {}).items():
+            out[f"{label}_{k}"] = v
+    if out.get("target_kv_cache_tokens") and "draft_kv_cache_tokens" in out:
+        out["kv_cost"] = 1 - out["draft_kv_cache_tokens"] / out["target_kv_cache_tokens"]
+    return out
 
 
 def _weights_per_gpu(cfg: RunnerConfig, facts: ModelFacts) -> float | None:
@@ -335,8 +385,29 @@ def plan(p: Plan, view: PlanView) -> None:
             f"{speed_repeats(cfg)} warm repeats at concurrency 1 and at batch, each pass at "
             f"least {cfg.eval.speed_pass_s:g} s (eval.speed_pass_s); {how} ({why}; "
             "eval.speed_servers)"
-            + (", checked by a second client (eval.speed_check)" if cfg.eval.speed_check else ""),
+            + (", checked by a second client (eval.speed_check)" if cfg.eval.speed_check else "")
+            + (
+                f"; and at {cfg.eval.concurrency} closed-loop streams (eval.concurrency)"
+                if cfg.eval.concurrency
+                else ""
+            ),
         )
+    if cfg.eval.concurrency and not speed_repeats(cfg):
+        p.warn(
+            "eval.concurrency",
+            "no speed is measured here (eval.speed_repeats is 0 on a CPU by default, or the "
+            "target is not compared): set eval.speed_repeats to time the levels",
+        )
+    for row in costs.rows("serving"):
+        if row["model"] == cfg.model.name and row["gpu"] == cfg.hardware.gpu_kind:
+            gains = ", ".join(f"{g}x at {n}" for n, g in row["gain"].items())
+            p.add(
+                "KV capacity",
+                f"expect the draft to cost about {1 - row['kv_draft'] / row['kv_target']:.0%} "
+                f"of the KV cache ({row['kv_target'] / 1e6:.2f}M -> "
+                f"{row['kv_draft'] / 1e6:.2f}M tokens) and the gain to fall with concurrency "
+                f"({gains} streams) [{row['source']}]; eval.concurrency measures yours",
+            )
     if cfg.eval.draft:
         from runner.assets.transfer import packed_reason
 
@@ -405,7 +476,12 @@ STAGE = Stage(
     version="1",
     libraries={"vllm": VLLM_DISTS},
     identities=("tokenizer_id", "weights_id"),
-    logged={"eval_table.json": "evaluate", "summary.json": "evaluate", "logs": "evaluate/logs"},
+    logged={
+        "eval_table.json": "evaluate",
+        "summary.json": "evaluate",
+        "served.json": "evaluate",
+        "logs": "evaluate/logs",
+    },
     summary=summary,
     columns=columns,
     tables=tables,
@@ -421,4 +497,6 @@ STAGE = Stage(
     gate=_gate,
     settings=EvalConfig,
     section="eval",
+    curves=CURVES,
+    curves_live=False,
 )

@@ -139,7 +139,8 @@ def speed_metrics(draft: dict[str, list[float]], target: dict[str, list[float]])
     import statistics
 
     out: dict[str, Any] = {}
-    for kind in ("c1", "batch"):
+    # c1, batch, and c<n> for each level of eval.concurrency (serving._speed)
+    for kind in [k for k, v in draft.items() if isinstance(v, list)]:
         if not draft[kind]:
             continue
         d, t = statistics.median(draft[kind]), statistics.median(target[kind])
@@ -154,6 +155,46 @@ def speed_metrics(draft: dict[str, list[float]], target: dict[str, list[float]])
             out[f"speedup_{kind}_ci_half_log"] = half
         out[f"draft_tok_s_{kind}"] = d
         out[f"target_tok_s_{kind}"] = t
+    return out
+
+
+def by_concurrency(metrics: Mapping[str, Any], levels: list[int]) -> list[dict[str, Any]]:
+    """One row per level of eval.concurrency: aggregate and per-stream tokens/s of both
+    servers, the gain and its 95% interval (speed_metrics' figures of kind c<n>; level 1 is c1,
+    one user going through eval.speed_prompts prompts)."""
+    rows = []
+    for n in levels:
+        kind = f"c{n}"
+        if f"speedup_{kind}" not in metrics:
+            continue
+        d, t = metrics[f"draft_tok_s_{kind}"], metrics[f"target_tok_s_{kind}"]
+        rows.append(
+            {
+                "concurrency": n,
+                "gain": metrics[f"speedup_{kind}"],
+                "gain_ci_low": metrics.get(f"speedup_{kind}_ci_low"),
+                "gain_ci_high": metrics.get(f"speedup_{kind}_ci_high"),
+                "draft_tok_s": d,
+                "target_tok_s": t,
+                "draft_tok_s_per_stream": d / n,
+                "target_tok_s_per_stream": t / n,
+            }
+        )
+    return rows
+
+
+def crossover(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where speculation stops paying: the lowest level whose gain is below 1 (its interval
+    wholly below 1 makes it certain), and the highest level measured that still gains."""
+    out: dict[str, Any] = {}
+    below = [r for r in rows if r["gain"] < 1]
+    if below:
+        out["speed_crossover"] = below[0]["concurrency"]
+        high = below[0]["gain_ci_high"]
+        out["speed_crossover_certain"] = int(high is not None and high < 1)
+    paying = [r["concurrency"] for r in rows if r["gain"] >= 1]
+    if paying:
+        out["speed_pays_up_to"] = max(paying)
     return out
 
 

@@ -90,6 +90,7 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
                 else ""
             )
         )
+    lines += _concurrency_lines(metrics, path)
     if "speed_check_agrees" in metrics:
         diffs = ", ".join(
             f"{metrics[f'speed_check_{k}']:.2f}x at {where} "
@@ -138,6 +139,48 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
     if extra:
         lines.append(", ".join(extra))
     return [*lines, f"serve it: {serve_command(cfg, path)}"]
+
+
+def _concurrency_lines(metrics: Mapping[str, Any], path: Path) -> list[str]:
+    """The gain at each level of eval.concurrency, where it stops paying, and what the draft
+    costs of the KV cache."""
+    lines = []
+    try:
+        rows = json.loads((path / "concurrency.json").read_text())
+    except (OSError, ValueError):
+        rows = []
+    if rows:
+        cells = []
+        for r in rows:
+            lo, hi = r.get("gain_ci_low"), r.get("gain_ci_high")
+            ci = f" ({lo:.2f}-{hi:.2f})" if lo is not None and hi is not None else ""
+            cells.append(
+                f"{r['concurrency']}: {r['gain']:.2f}x{ci}, "
+                f"{r['draft_tok_s_per_stream']:.1f} against {r['target_tok_s_per_stream']:.1f} "
+                "tok/s a stream"
+            )
+        if "speed_crossover" in metrics:
+            where = f"stops paying at {metrics['speed_crossover']:.0f} streams" + (
+                "" if metrics.get("speed_crossover_certain") else " (within its noise)"
+            )
+        else:
+            where = "pays at every level measured"
+        lines.append(f"gain by concurrency (eval.concurrency): {'; '.join(cells)}; {where}")
+    if "draft_kv_cache_tokens" in metrics:
+        d = metrics["draft_kv_cache_tokens"]
+        line = (
+            f"KV cache: {d:,.0f} tokens with the draft "
+            f"({metrics['draft_kv_max_concurrency']:.1f} requests of "
+            f"{metrics['draft_kv_tokens_per_request']:,.0f} tokens at once)"
+        )
+        if "kv_cost" in metrics:
+            line += (
+                f", {metrics['target_kv_cache_tokens']:,.0f} without "
+                f"({metrics['target_kv_max_concurrency']:.1f}): the draft costs "
+                f"{metrics['kv_cost']:.0%} of it"
+            )
+        lines.append(line)
+    return lines
 
 
 def _timing(metrics: Mapping[str, Any]) -> str:
@@ -195,7 +238,11 @@ def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
 
 def tables(_metrics: Mapping[str, Any], path: Path) -> dict[str, list[dict[str, Any]]]:
     out = {}
-    for name, logged in (("eval_table.json", "prompts.json"), ("identity.json", "identity.json")):
+    for name, logged in (
+        ("eval_table.json", "prompts.json"),
+        ("identity.json", "identity.json"),
+        ("concurrency.json", "concurrency.json"),
+    ):
         if (path / name).is_file():
             rows = json.loads((path / name).read_text())
             if rows:

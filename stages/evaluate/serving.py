@@ -199,21 +199,29 @@ def _speed(
     either client (docs/benchmarks.md). Side by side, both read the same state, and the
     per-repeat differences between them (measures.paired_noise) are the check's noise."""
     labels = list(servers)
-    out: dict[str, dict[str, Any]] = {
-        label: {"c1": [], "batch": [], "at": {"c1": [], "batch": []}} for label in labels
-    }
+    few = prompts[: cfg.eval.speed_prompts]
+    # (kind, prompts, one user going through them, streams): concurrency 1, the batch (a user
+    # per prompt), and each level of eval.concurrency above 1 (that many users sharing the
+    # prompts); the independent client times the first two.
+    kinds = [("c1", few, True, None), ("batch", prompts, False, None)]
+    kinds += [(f"c{n}", prompts, False, n) for n in cfg.eval.concurrency if n > 1]
+    checked = ("c1", "batch")
+
+    def empty(names: list[str]) -> dict[str, Any]:
+        return {**{k: [] for k in names}, "at": {k: [] for k in names}}
+
+    out: dict[str, dict[str, Any]] = {label: empty([k[0] for k in kinds]) for label in labels}
     if check:
         for label in labels:
-            out[label]["check"] = {"c1": [], "batch": [], "at": {"c1": [], "batch": []}}
-    few = prompts[: cfg.eval.speed_prompts]
+            out[label]["check"] = empty(list(checked))
     turn = 0  # which client goes first, alternating from one timing to the next
     for i, order in enumerate(alternating(labels, 1 + repeats)):
-        for kind, chosen, alone in (("c1", few, True), ("batch", prompts, False)):
+        for kind, chosen, alone, streams in kinds:
             for label in order:
                 server = servers[label]
 
-                def ours(server=server, chosen=chosen, alone=alone) -> float:
-                    return asyncio.run(_rate(server, chosen, cfg, one_at_a_time=alone))
+                def ours(server=server, chosen=chosen, alone=alone, streams=streams) -> float:
+                    return asyncio.run(_rate(server, chosen, cfg, alone, streams))
 
                 def theirs(server=server, chosen=chosen, alone=alone) -> float:
                     return speed_check.rate(
@@ -225,12 +233,13 @@ def _speed(
                         min_pass_s=cfg.eval.speed_pass_s,
                     )
 
+                also = check and kind in checked
                 if i == 0:  # untimed: each client's own warm-up
                     ours()
-                    for _ in range(speed_check.WARM_PASSES if check else 0):
+                    for _ in range(speed_check.WARM_PASSES if also else 0):
                         theirs()
                     continue
-                clients = [("stage", ours), *([("check", theirs)] if check else [])]
+                clients = [("stage", ours), *([("check", theirs)] if also else [])]
                 for who, measure in clients[::-1] if turn % 2 else clients:
                     into = out[label] if who == "stage" else out[label]["check"]
                     into["at"][kind].append(round(time.time(), 3))
@@ -244,9 +253,12 @@ async def _rate(
     prompts: list[Prompt],
     cfg: RunnerConfig,
     one_at_a_time: bool,
+    streams: int | None = None,
 ) -> float:
     """Generated tokens per second at steady state (the server's own count), greedy: one user
-    going through `prompts` in turn (concurrency 1), or one user per prompt, all at once. Each
+    going through `prompts` in turn (concurrency 1), one user per prompt, all at once, or
+    `streams` users sharing the prompts in turn (user u takes prompts u, u + streams, ...,
+    wrapping round when there are more users than prompts). Each
     user sends its next request the moment its last is answered, so the server holds the same
     number of requests throughout; no round waits for its slowest request (rounds of a batch
     under a second long lost 7% to 14% of a fast server's rate to their start and tail, against
@@ -275,7 +287,15 @@ async def _rate(
                 raise StageError(f"a speed request failed: HTTP {r.status}: {str(answer)[:300]}")
         return int(answer["usage"]["completion_tokens"])
 
-    users = [list(prompts)] if one_at_a_time else [[p] for p in prompts]
+    if one_at_a_time:
+        users = [list(prompts)]
+    elif streams is None:
+        users = [[p] for p in prompts]
+    else:
+        each = max(1, -(-len(prompts) // streams))
+        users = [
+            [prompts[(u + j * streams) % len(prompts)] for j in range(each)] for u in range(streams)
+        ]
     answered: set[int] = set()  # users with one answer: the window opens when all have
     opened: list[float] = []
     # Per user, its tokens answered inside the window and the span they took: from its last
@@ -307,7 +327,7 @@ async def _rate(
             before = now
 
     timeout = aiohttp.ClientTimeout(total=e.timeout_s)
-    connector = aiohttp.TCPConnector(limit=len(prompts))
+    connector = aiohttp.TCPConnector(limit=len(users))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await asyncio.gather(*(user(session, u) for u in range(len(users))))
     # Each user's own rate, summed: exact however the users' answers line up in time (users

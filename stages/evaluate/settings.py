@@ -31,6 +31,9 @@ class SpeedServers(StrEnum):
 # The most draft tokens a step evaluates (eval.num_speculative_tokens): published EAGLE-3 drafts
 # are served at k of 3 to 8.
 SPECULATIVE_TOKENS_MAX = 32
+# The most closed-loop streams a level of eval.concurrency opens (vLLM's default
+# max-num-seqs on a GPU is 256 to 1024; the field measures up to 128).
+CONCURRENCY_MAX = 1024
 
 
 @dataclass
@@ -84,6 +87,12 @@ class EvalConfig:
     # server's rate moved by up to 40% from one pass to the next within a minute, with either
     # client, so a ratio of servers timed minutes apart carries that.
     speed_servers: SpeedServers = SpeedServers.auto
+    # Closed-loop streams at which the speed ratio is also measured, e.g. [1, 4, 16, 64, 128]:
+    # at each level that many users share the first set's prompts, each sending its next
+    # request when its last is answered; per-stream and aggregate tokens/s of both servers, the
+    # gain with its interval, and the crossover where it falls below 1 (the draft's KV cache
+    # costs concurrency). [] = concurrency 1 and the batch only. Needs speed repeats.
+    concurrency: list[int] = field(default_factory=list)
     # Seconds allowed for generating all prompts on one vLLM server (start-up not included).
     timeout_s: int = 1800
     # A served draft whose acceptance length's 95% interval lies at or below this on any prompt
@@ -119,6 +128,19 @@ class EvalConfig:
         if self.speed_repeats is not None:
             at_least("eval.speed_repeats", self.speed_repeats, 0)
         at_least("eval.speed_pass_s", self.speed_pass_s, 0)
+        levels = list(self.concurrency)
+        if levels != sorted(set(levels)) or any(n < 1 or n > CONCURRENCY_MAX for n in levels):
+            raise ConfigError(
+                "eval.concurrency",
+                f"{levels}: give ascending, distinct levels from 1 to {CONCURRENCY_MAX}, e.g. "
+                "[1,4,16,64,128]",
+            )
+        if levels and self.speed_repeats == 0:
+            raise ConfigError(
+                "eval.concurrency",
+                f"{levels} asks for speed at each level, but eval.speed_repeats=0 times nothing; "
+                "set eval.speed_repeats (e.g. 3)",
+            )
         above("eval.near_tie_gap", self.near_tie_gap, 0)
         names = [prompt_set_name(p) for p in self.prompts]
         if not names or len(set(names)) != len(names):
