@@ -279,11 +279,28 @@ def test_a_draft_that_serves_at_1_fails_the_run_unless_gates_warn(runs, tmp_path
         "kv_cache_dtype": "auto",
         "rejection_sample_method": "standard",
     }
+    # ... and compares the random draft with the trained one, named by its finished run.
     warned = run_job(
         compose(
-            [*base, "eval.gates=warn", *(f"hardware.vllm.{k}={v}" for k, v in settings.items())]
+            [
+                *base,
+                "eval.gates=warn",
+                f"eval.baseline_draft=run:{first.run_id}",
+                *(f"hardware.vllm.{k}={v}" for k, v in settings.items()),
+            ]
         )
     )
+    (row,) = json.loads((warned.results["evaluate"].path / "baseline.json").read_text())
+    trained = first.results["evaluate"].metrics["acceptance_length"]
+    assert row["set"] == "mtbench" and row["prompts"] == 6
+    # The same draft on the same prompts, greedy: the figure its own run measured.
+    assert row["baseline_acceptance_length"] == pytest.approx(trained, abs=0.02)
+    assert row["difference"] == pytest.approx(
+        row["acceptance_length"] - row["baseline_acceptance_length"]
+    )
+    assert row["difference_ci_low"] <= row["difference"] <= row["difference_ci_high"]
+    assert row["verdict"] == ("worse" if row["difference_ci_high"] < 0 else "within noise")
+    assert warned.results["evaluate"].metrics["vs_baseline/verdict"] in (-1, 0)
     assert warned.results["evaluate"].metrics["acceptance_length_ci_high"] <= 1.05
     served = json.loads((warned.results["evaluate"].path / "served.json").read_text())
     assert served["serving"] == settings
@@ -291,3 +308,48 @@ def test_a_draft_that_serves_at_1_fails_the_run_unless_gates_warn(runs, tmp_path
     assert '"attention_backend": "CPU_ATTN"' in served["serve_command"]
     runs_now = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id])
     assert sorted(r.info.status for r in runs_now) == ["FAILED", "FINISHED"]
+
+
+def test_the_epoch_to_ship_is_chosen_by_serving_and_published(tmp_path):
+    """train.keep_epoch_drafts: each epoch's draft served on the same prompts, the best
+    (a tie to the earlier epoch) evaluated fully and published, its card saying which and why,
+    every epoch's figure a point of one MLflow series."""
+    import mlflow
+
+    from runner.commands.publish import main as publish
+
+    root = tmp_path / "out"
+    result = run_job(
+        compose(
+            [
+                *REDUCED,
+                f"run.output_root={root}",
+                "train.epochs=2",
+                "train.keep_epoch_drafts=true",
+                "eval.choose_epoch_prompts=6",
+                "eval.prompts=[mtbench]",
+                "eval.compare_target=false",
+                "eval.random_baseline=false",
+                "eval.speed_repeats=0",
+            ]
+        )
+    )
+    ev = result.results["evaluate"]
+    rows = json.loads((ev.path / "epochs.json").read_text())
+    assert [r["epoch"] for r in rows] == [1, 2]
+    best = max(r["acceptance_length"] for r in rows)
+    chosen = next(r for r in rows if round(r["acceptance_length"], 3) == round(best, 3))
+    manifest = json.loads((ev.path / "manifest.json").read_text())
+    assert manifest["chosen_epoch"]["epoch"] == chosen["epoch"] == ev.metrics["chosen_epoch"]
+    assert manifest["served"]["draft"].endswith(chosen["draft"])
+    client = mlflow.MlflowClient(result.tracking_uri)
+    series = client.get_metric_history(result.run_id, "evaluate/epoch_acceptance_length")
+    assert sorted(m.step for m in series) == [1, 2]
+    out = tmp_path / "published"
+    assert publish([str(out), "--output-root", str(root), "--run", result.run_id]) == 0
+    shipped = result.results["train"].path / chosen["draft"]
+    assert (out / "model.safetensors").read_bytes() == (shipped / "model.safetensors").read_bytes()
+    assert (
+        f"the draft of epoch {chosen['epoch']} of 2, chosen by serving"
+        in (out / "README.md").read_text()
+    )

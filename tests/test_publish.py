@@ -258,3 +258,51 @@ def test_the_cards_license_and_datasets_come_from_the_targets_and_datas_metadata
     assert (
         card_datasets({"data.source": str(tmp_path / "chats.jsonl"), "data.hub_id": "None"}) == []
     )
+
+
+@pytest.mark.parametrize(
+    "tag,value,flag,card_says",
+    [
+        ("smoke_test", "true", "--allow-smoke-test", "A SMOKE TEST"),
+        ("gate_warnings", "gate: mtbench: acceptance 1.00x", "--allow-gate-warnings", "FAILED"),
+    ],
+)
+def test_a_smoke_test_or_a_gate_failed_draft_is_published_only_when_allowed(
+    trained, tmp_path, capsys, tag, value, flag, card_says
+):
+    import mlflow
+
+    root = shutil.copytree(trained, tmp_path / "root", symlinks=True)
+    from runner.integrations.mlflow_sqlite import repoint
+
+    repoint(root / "mlflow.db", root)
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("eagle3").experiment_id])
+    client.set_tag(run.info.run_id, tag, value)
+    assert publish([str(tmp_path / "refused"), "--output-root", str(root)]) == 1
+    assert flag in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
+    assert publish([str(tmp_path / "allowed"), "--output-root", str(root), flag]) == 0
+    card = (tmp_path / "allowed" / "README.md").read_text()
+    limits = card.split("## Limitations", 1)[1]
+    assert card_says in limits and flag in limits
+
+
+def test_the_card_gives_the_acceptance_with_its_interval_and_where_it_was_measured(trained):
+    from types import SimpleNamespace
+
+    from runner.commands.publish import model_card
+
+    params = {"model.name": "m", "hardware.name": "blackwell8", "hardware.num_gpus": "8",
+              "hardware.gpu_kind": "RTX PRO 6000", "hardware.device": "cuda"}  # fmt: skip
+    run = SimpleNamespace(
+        info=SimpleNamespace(run_id="r"),
+        data=SimpleNamespace(params=params, tags={}, metrics={"train/val_loss_epoch": 2.5}),
+    )
+    rows = [{"set": "mtbench", "prompts": 80, "k": 3, "acceptance_length": 2.1,
+             "ci95": [2.0, 2.2], "per_position": [0.6, 0.3, 0.2]}]  # fmt: skip
+    card = model_card(run, {"speculators_version": "0.9.0"}, "me/d", results=rows)
+    assert "| mtbench (80 prompts) | 3 | 2.100 (2.000-2.200) | 0.600 / 0.300 / 0.200 |" in card
+    assert "random draft" not in card  # no column of dashes where none was measured
+    assert "Measured on 8x RTX PRO 6000" in card and "validation loss 2.500" in card
+    assert "speculators 0.9.0" in card and "## Limitations" in card

@@ -127,11 +127,12 @@ def _roots(run: Any, served_draft: str) -> tuple[Path | None, Path | None]:
     if not train:
         return None, None
     here = Path(train)
-    rel = here.relative_to(here.parents[2]) / "draft"  # store/train/<key>/draft
-    served = Path(served_draft)
-    if len(served.parts) <= len(rel.parts) or served.relative_to(served.parents[3]) != rel:
-        return None, None
-    return here.parents[2], served.parents[3]
+    tail = here.parts[-3:]  # store/train/<key>, then draft/ or epochs/<n>/
+    parts = Path(served_draft).parts
+    for i in range(1, len(parts) - 3):
+        if parts[i : i + 3] == tail:
+            return here.parents[2], Path(*parts[:i])
+    return None, None
 
 
 def run_results(run: Any) -> list[dict[str, Any]]:
@@ -258,18 +259,25 @@ def model_card(
     if p.get("model.trust_remote_code") == "True":
         serve += " --trust-remote-code"
     found = results if results is not None else run_results(run)
-    rows = []
-    for r in found:
-        if "acceptance_length" not in r:
-            continue
+    measured = [r for r in found if "acceptance_length" in r]
+    with_random = any(r.get("random_acceptance_length") is not None for r in measured)
+    head = "| prompts | k | acceptance length (95% interval) | per position |"
+    rule = "|---|---|---|---|"
+    if with_random:
+        head, rule = head + " random draft |", rule + "---|"
+    rows = [head, rule]
+    for r in measured:
         per_pos = " / ".join(f"{v:.3f}" for v in r.get("per_position", []))
+        ci = r.get("ci95")
+        interval = f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else ""
         random = r.get("random_acceptance_length")
         rows.append(
             f"| {r.get('set')} ({int(r.get('prompts') or 0)} prompts) | {r.get('k', k)} | "
-            f"{r['acceptance_length']:.3f} | {per_pos} | "
-            f"{'-' if random is None else f'{random:.3f}'} |"
+            f"{r['acceptance_length']:.3f}{interval} | {per_pos} |"
+            + (f" {'-' if random is None else f'{random:.3f}'} |" if with_random else "")
         )
-    acceptance = "\n".join(rows) or "| not evaluated | | | | |"
+    acceptance = "\n".join(rows) if measured else "Not evaluated."
+    context = measured_on(run, draft_config)
     lic = license_ or card_license(p, draft_config)
     datasets = card_datasets(p)
     front_yaml = "\n".join(
@@ -310,6 +318,13 @@ def model_card(
         if hub
         else "\nTARGET is the target model's folder or hub id (it was a local model here).\n"
     )
+    chosen = chosen_epoch(run)
+    epoch_note = (
+        f"\nThis is the draft of epoch {chosen['epoch']} of {chosen['epochs']}, chosen by "
+        f"serving: {chosen['why']}.\n"
+        if chosen
+        else ""
+    )
     return f"""---
 {front_yaml}
 ---
@@ -323,27 +338,95 @@ Trained by eagle3-runner (MLflow run `{run.info.run_id}`) with speculators
 
 ## Acceptance measured by the runner (served by vLLM, greedy)
 
-| prompts | k | acceptance length | per position | random draft |
-|---|---|---|---|---|
 {acceptance}
 
+{context}
+{epoch_note}
 ## Serve with vLLM
 
 ```bash
 {serve}
 ```
 {where}
+## Limitations
+
+{limitations(run, measured)}
+
 ## Training command (as speculators recorded it)
 
 See `train_command.txt`.
 """
 
 
+def measured_on(run: Any, draft_config: dict[str, Any]) -> str:
+    """Where and with what the figures were measured: hardware, engine and library versions,
+    the serving settings and the validation loss."""
+    p, metrics = run.data.params, getattr(run.data, "metrics", {}) or {}
+    try:
+        served = json.loads(
+            (Path(run.data.tags["path.evaluate"]) / "manifest.json").read_text()
+        ).get("served", {})
+    except (KeyError, OSError, ValueError):
+        served = {}
+    gpus = p.get("hardware.num_gpus", "0")
+    kind = p.get("hardware.gpu_kind")
+    hardware = (
+        f"{gpus}x {kind}" if gpus not in ("0", None) and kind not in (None, "None") else None
+    ) or f"{p.get('hardware.name')} ({p.get('hardware.device')})"
+    settings = ", ".join(f"{k} {v}" for k, v in (served.get("serving") or {}).items())
+    val = metrics.get("train/val_loss_epoch")
+    lines = [
+        f"Measured on {hardware}, vLLM {served.get('vllm', 'of the run')}, greedy, "
+        f"speculators {draft_config.get('speculators_version', '?')}"
+        + (f"; serving settings: {settings}" if settings else "")
+        + (f"; validation loss {val:.3f}" if val is not None else "")
+        + "."
+    ]
+    return "\n".join(lines)
+
+
+def limitations(run: Any, measured: list[dict[str, Any]]) -> str:
+    """What the card's figures do not say, and what the run itself was (a smoke test, figures
+    that failed a gate and were let through)."""
+    tags = run.data.tags
+    out = [
+        "- Acceptance lengths are for greedy decoding on the prompt sets above; other prompts, "
+        "sampling temperatures and k give other figures.",
+        "- The draft predicts the target it was trained on, with the capture ids above; served "
+        "with another target, or other attention kernels than the serve command names, it may "
+        "accept nothing without an error.",
+    ]
+    if not measured:
+        out.append("- This draft was not evaluated by serving.")
+    if tags.get("smoke_test") == "true":
+        out.append(
+            "- A SMOKE TEST (run.smoke_test, e.g. preset=quick): a few rows and one epoch, "
+            "published with --allow-smoke-test; its figures show the pipeline works, not a "
+            "useful draft."
+        )
+    if tags.get("gate_warnings"):
+        out.append(
+            f"- Its evaluation FAILED these checks, published with --allow-gate-warnings: "
+            f"{tags['gate_warnings']}"
+        )
+    return "\n".join(out)
+
+
+def chosen_epoch(run: Any) -> dict[str, Any]:
+    """The evaluation's choice of epoch ({"epoch", "draft", "why", ...}), or {}."""
+    try:
+        manifest = Path(run.data.tags["path.evaluate"]) / "manifest.json"
+        return dict(json.loads(manifest.read_text()).get("chosen_epoch") or {})
+    except (KeyError, OSError, ValueError):
+        return {}
+
+
 def draft_folder(run: Any) -> Path:
     """The run's draft: the one it trained, else the one its evaluation served (eval.draft)."""
     tags = run.data.tags
     if "path.train" in tags:
-        return Path(tags["path.train"]) / "draft"
+        # The epoch its evaluation chose by serving (eval.choose_epoch), else the last.
+        return Path(tags["path.train"]) / chosen_epoch(run).get("draft", "draft")
     try:
         manifest = Path(tags["path.evaluate"]) / "manifest.json"
         return Path(json.loads(manifest.read_text())["served"]["draft"])
@@ -352,11 +435,32 @@ def draft_folder(run: Any) -> Path:
 
 
 def publish(
-    run: Any, out: Path, repo: str | None, license_: str | None = None
+    run: Any,
+    out: Path,
+    repo: str | None,
+    license_: str | None = None,
+    allow_smoke_test: bool = False,
+    allow_gate_warnings: bool = False,
 ) -> tuple[Path, str | None]:
     """The draft as a hub folder with its card; returns it and the command that serves it on
-    this machine (also written to serve_local.sh beside the card), if the run evaluated it."""
+    this machine (also written to serve_local.sh beside the card), if the run evaluated it. A
+    smoke test's draft, or one whose figures failed a gate that was set to warn, is refused
+    unless allowed (the card then says so)."""
     from runner.assets.transfer import packed_reason
+
+    tags = run.data.tags
+    if tags.get("smoke_test") == "true" and not allow_smoke_test:
+        raise ValueError(
+            f"run {run.info.run_id} is a smoke test (run.smoke_test, e.g. preset=quick): its "
+            "draft shows the pipeline works, not a draft to serve; pass --allow-smoke-test to "
+            "publish it anyway (the card says so)"
+        )
+    if tags.get("gate_warnings") and not allow_gate_warnings:
+        raise ValueError(
+            f"run {run.info.run_id}'s evaluation failed its gates (let through by "
+            f"eval.gates=warn): {tags['gate_warnings'][:300]}; pass --allow-gate-warnings to "
+            "publish it anyway (the card says so)"
+        )
 
     draft = draft_folder(run)
     if not (draft / "config.json").is_file():
@@ -388,6 +492,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--push", action="store_true", help="upload the folder to --repo-id")
     ap.add_argument(
         "--license", help="the card's license (default: model.license, else the target's)"
+    )
+    ap.add_argument(
+        "--allow-smoke-test",
+        action="store_true",
+        help="publish a smoke test's draft (preset=quick); the card says what it is",
+    )
+    ap.add_argument(
+        "--allow-gate-warnings",
+        action="store_true",
+        help="publish a draft whose evaluation failed a gate set to warn (eval.gates=warn)",
     )
     ap.add_argument("--tracking-uri")
     ap.add_argument("--output-root", default=default_root())
@@ -431,7 +545,14 @@ def _main(args: argparse.Namespace) -> int:
         if run is None:
             return 1
     try:
-        out, local = publish(run, Path(args.out), args.repo_id, args.license)
+        out, local = publish(
+            run,
+            Path(args.out),
+            args.repo_id,
+            args.license,
+            allow_smoke_test=args.allow_smoke_test,
+            allow_gate_warnings=args.allow_gate_warnings,
+        )
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"publish: {exc}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
     lo, hi = ratio_interval(accepted, steps, offset=1.0)  # 1 + sum(a)/sum(s), prompts resampled
     group = replicates(values)       # seeds as replicates: mean, sd, interval of the mean
     overlap((lo1, hi1), (lo2, hi2))  # True: the difference is inside the noise
+    d, lo, hi = paired_ratio_difference(a1, s1, a2, s2)  # two drafts on the same prompts
 
 Prompts are the unit of a bootstrap (scipy.stats.bootstrap, percentile method, fixed seed): an
 acceptance length is a ratio of sums over prompts, so resampling prompts and recomputing that
@@ -70,6 +71,40 @@ def replicates(values: Sequence[float], level: float = LEVEL) -> Replicates:
     sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
     half = float(t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
     return Replicates(n, mean, sd, mean - half, mean + half)
+
+
+def paired_ratio_difference(
+    num_a: Sequence[float],
+    den_a: Sequence[float],
+    num_b: Sequence[float],
+    den_b: Sequence[float],
+    level: float = LEVEL,
+) -> tuple[float, float, float]:
+    """sum(num_a)/sum(den_a) - sum(num_b)/sum(den_b) and its `level` interval, each resample
+    taking the same prompts for both (two drafts served the same prompts: what one prompt makes
+    easy for one it makes easy for the other, and pairing removes that from the noise)."""
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    arrays = [np.asarray(x, dtype=float) for x in (num_a, den_a, num_b, den_b)]
+    value = arrays[0].sum() / arrays[1].sum() - arrays[2].sum() / arrays[3].sum()
+    if len(arrays[0]) < 2:
+        return float(value), float(value), float(value)
+
+    def stat(a, b, c, d, axis: int = -1):
+        return a.sum(axis=axis) / b.sum(axis=axis) - c.sum(axis=axis) / d.sum(axis=axis)
+
+    res = bootstrap(
+        arrays,
+        stat,
+        paired=True,
+        vectorized=True,
+        n_resamples=RESAMPLES,
+        confidence_level=level,
+        method="percentile",
+        rng=np.random.default_rng(0),
+    )
+    return float(value), float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:

@@ -239,6 +239,8 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
             objective=_objective(results),
         )
         failed, warned = _gates(results, cfg)
+        if warned:  # a research run's figures that would have failed it: publish asks first
+            tracker.set_tags({"gate_warnings": "; ".join(warned)[:5000]})
         summary, description = _summary(result, cfg, tracker, failed or warned, bool(failed))
         # The results head the run's page in the MLflow UI.
         tracker.set_description("```\n" + description + "\n```")

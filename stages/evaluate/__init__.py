@@ -37,6 +37,7 @@ from runner.engine import costs
 from runner.engine.stage import DRAFT, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.integrations.versions import VLLM_DISTS, versions
 from runner.serving.vllm_server import kv_capacity, shell_command
+from stages.evaluate import baseline
 from stages.evaluate.draft_fit import misfits
 from stages.evaluate.heldout import HELDOUT
 from stages.evaluate.measures import (
@@ -57,6 +58,7 @@ from stages.evaluate.measures import (
 from stages.evaluate.prompt_sets import check_prompt_room, prompt_sets, prompt_sources
 from stages.evaluate.report import columns, figures, results, set_names, summary, tables
 from stages.evaluate.serving import (
+    draft_is_mla,
     gpu_memory_gib,
     random_draft,
     serve_sets,
@@ -69,8 +71,9 @@ from stages.evaluate.settings import EvalConfig
 from stages.evaluate.speed_check import agreement
 
 log = logging.getLogger("runner")
-# The speed by concurrency level as step records (Stage.curves): MLflow series, level as step.
-CURVES = "concurrency_curves.jsonl"
+# Series as step records (Stage.curves): the speed figures by concurrency level (the level as
+# step) and each kept epoch's acceptance (the epoch as step).
+CURVES = "curves.jsonl"
 CURVED = (
     "gain",
     "draft_tok_s",
@@ -110,6 +113,16 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         del e["speed_pass_s"]  # no speed measured (a CPU's default): the passes' length is moot
     if cfg.eval.draft:
         e["draft"] = _draft_content(cfg.eval.draft)
+    if choosing_epoch(cfg):
+        e["choose_epoch"] = True
+    else:
+        del e["choose_epoch"], e["choose_epoch_prompts"]  # (likewise)
+    if cfg.eval.baseline_draft:
+        # What is served, wherever it lies (a run id or a hub id names content that can change).
+        folder, _ = baseline.locate(cfg)
+        e["baseline_draft"] = _draft_content(str(folder)) if folder else cfg.eval.baseline_draft
+    else:
+        del e["baseline_draft"]  # unset: the same measurement as before the setting existed
     return {
         **{k: v for k, v in e.items() if k not in _NOT_IN_KEY},
         "weights": facts.weights_id,
@@ -143,10 +156,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if train_art is None:
         draft = Path(e.draft or "").expanduser().resolve()
     else:
-        draft = train_art.path / "draft"
+        chosen = "draft"
+        if choosing_epoch(cfg) and train_art.manifest.get("epoch_drafts"):
+            chosen, _ = _choose_epoch(ctx, train_art, sets[first], ctx.scratch / "logs")
+        draft = train_art.path / chosen
         # A draft is served only if every byte is what training published (hashed in full: it
         # is small next to the target, and a bit flip would be served silently).
-        wrong = damage(train_art, full=True, under="draft/")
+        wrong = damage(train_art, full=True, under=f"{chosen}/")
         if wrong is not None:
             raise StageError(
                 f"the draft in {train_art.path} is damaged ({wrong}); refusing to serve it. Run "
@@ -179,6 +195,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             cfg, ctx.facts, draft, sets, "draft", logs, speed_repeats=repeats
         )
     metrics: dict[str, Any] = {"server_start_s": start_s}
+    if "chosen_epoch" in ctx.manifest:
+        metrics["chosen_epoch"] = ctx.manifest["chosen_epoch"]["epoch"]
     if repeats:
         metrics["speed_servers_together"] = int(comparing and paired)
     for name, result in spec.items():
@@ -251,20 +269,56 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 (ctx.out / "concurrency.json").write_text(json.dumps(levels, indent=1))
                 # One series per figure with the level as its step: MLflow draws each as one
                 # chart of gain (or tokens/s) against concurrency.
-                (ctx.out / CURVES).write_text(
-                    "".join(
-                        json.dumps(
-                            {
-                                "step": r["concurrency"],
-                                **{f"evaluate/{k}_by_concurrency": r[k] for k in CURVED},
-                            }
+                with open(ctx.out / CURVES, "a") as fh:  # after the epochs' curves, if any
+                    fh.write(
+                        "".join(
+                            json.dumps(
+                                {
+                                    "step": r["concurrency"],
+                                    **{f"evaluate/{k}_by_concurrency": r[k] for k in CURVED},
+                                }
+                            )
+                            + "\n"
+                            for r in levels
                         )
-                        + "\n"
-                        for r in levels
                     )
-                )
         metrics.update(identity_counts(differs))
         report_mismatches(differs)
+    if e.baseline_draft and not existing:
+        theirs = baseline.fetch(cfg)
+        _, base = serve_sets(cfg, ctx.facts, theirs, sets, "baseline", logs, speed_repeats=repeats)
+        ctx.manifest["baseline"] = {"draft": str(theirs), "given": e.baseline_draft}
+        rows = baseline.compare(
+            {n: spec[n]["per_prompt"] for n in sets}, {n: base[n]["per_prompt"] for n in sets}
+        )
+        for name, result in base.items():
+            pre = "" if name == first else f"{name}/"
+            measured = acceptance(result["counters"])
+            keep = ("acceptance_length", "draft_acceptance_rate")
+            measured = {k: v for k, v in measured.items() if k in keep or "_pos_" in k}
+            measured.update(prompt_interval(result["per_prompt"]))
+            metrics.update({f"baseline/{pre}{k}": v for k, v in measured.items()})
+        verdicts = {baseline.BETTER: 1, baseline.SAME: 0, baseline.WORSE: -1}
+        for row in rows:
+            pre = "" if row["set"] == first else f"{row['set']}/"
+            for k in ("difference", "difference_ci_low", "difference_ci_high"):
+                metrics[f"vs_baseline/{pre}{k}"] = row[k]
+            metrics[f"vs_baseline/{pre}verdict"] = verdicts[row["verdict"]]
+        if repeats and target:
+            # Timed after the run's own draft and the target: against the target's timings.
+            speed = speed_metrics(base[first]["speed"], target[first]["speed"])
+            metrics.update({f"baseline/{k}": v for k, v in speed.items()})
+            levels = by_concurrency(speed, list(e.concurrency))
+            if levels and (ctx.out / "concurrency.json").is_file():
+                ours = json.loads((ctx.out / "concurrency.json").read_text())
+                theirs_by = {r["concurrency"]: r for r in levels}
+                for r in ours:
+                    if r["concurrency"] in theirs_by:
+                        b = theirs_by[r["concurrency"]]
+                        r["baseline_gain"] = b["gain"]
+                        r["baseline_tok_s_per_stream"] = b["draft_tok_s_per_stream"]
+                (ctx.out / "concurrency.json").write_text(json.dumps(ours, indent=1))
+        (ctx.out / "baseline.json").write_text(json.dumps(rows, indent=1))
     if e.random_baseline and not existing and train_art is not None:
         # On the first set only: a floor, not a figure to compare across sets.
         rand = random_draft(train_art.manifest, work / "random_draft")
@@ -321,6 +375,67 @@ def _kv_capacity(logs: Path) -> dict[str, float]:
     if out.get("target_kv_cache_tokens") and "draft_kv_cache_tokens" in out:
         out["kv_cost"] = 1 - out["draft_kv_cache_tokens"] / out["target_kv_cache_tokens"]
     return out
+
+
+def choosing_epoch(cfg: RunnerConfig) -> bool:
+    """eval.choose_epoch, or (null) whether training keeps every epoch's draft."""
+    on = cfg.eval.choose_epoch
+    return bool(cfg.train.keep_epoch_drafts if on is None else on) and not cfg.eval.draft
+
+
+def _epoch_number(rel: str) -> int:
+    return int(Path(rel).name)
+
+
+def _choose_epoch(
+    ctx: StageContext, train_art: Any, prompts: list[Any], logs: Path
+) -> tuple[str, dict[str, Any]]:
+    """Serve each kept epoch's draft on the first eval.choose_epoch_prompts prompts of the first
+    set; the best acceptance length wins, a tie (to 3 decimals) going to the earlier epoch.
+    Writes epochs.json, and curves with the epoch as step; returns the chosen draft's folder
+    (relative to the train artifact) and the record of the choice."""
+    cfg = ctx.cfg
+    first = next(iter(prompt_sets(ctx)))
+    subset = {first: prompts[: cfg.eval.choose_epoch_prompts]}
+    rows = []
+    for rel in sorted(train_art.manifest["epoch_drafts"], key=_epoch_number):
+        n = _epoch_number(rel)
+        wrong = damage(train_art, full=True, under=f"{rel}/")
+        if wrong is not None:
+            raise StageError(f"epoch {n}'s draft in {train_art.path} is damaged ({wrong})")
+        _, got = serve_sets(cfg, ctx.facts, train_art.path / rel, subset, f"epoch{n}", logs)
+        measured = acceptance(got[first]["counters"])
+        rows.append(
+            {
+                "epoch": n,
+                "draft": rel,
+                "acceptance_length": measured["acceptance_length"],
+                **prompt_interval(got[first]["per_prompt"]),
+            }
+        )
+    best = max(rows, key=lambda r: (round(r["acceptance_length"], 3), -r["epoch"]))
+    figures = ", ".join(f"{r['epoch']}: {r['acceptance_length']:.3f}" for r in rows)
+    choice = {
+        "epoch": best["epoch"],
+        "draft": best["draft"],
+        "epochs": len(rows),
+        "prompts": len(subset[first]),
+        "set": first,
+        "why": f"the best served acceptance length on the first {len(subset[first])} {first} "
+        f"prompts (epoch {figures})",
+    }
+    log.info("[evaluate] epoch %d of %d chosen: %s", best["epoch"], len(rows), choice["why"])
+    ctx.manifest["chosen_epoch"] = choice
+    (ctx.out / "epochs.json").write_text(json.dumps(rows, indent=1))
+    with open(ctx.out / CURVES, "a") as fh:
+        for r in rows:
+            fh.write(
+                json.dumps(
+                    {"step": r["epoch"], "evaluate/epoch_acceptance_length": r["acceptance_length"]}
+                )
+                + "\n"
+            )
+    return best["draft"], choice
 
 
 def _weights_per_gpu(cfg: RunnerConfig, facts: ModelFacts) -> float | None:
@@ -433,8 +548,30 @@ def plan(p: Plan, view: PlanView) -> None:
                 "not measured for eval.draft: the random draft is "
                 "built from this config's own training command",
             )
+    if cfg.eval.baseline_draft:
+        _plan_baseline(p, cfg, view)
+    if cfg.eval.choose_epoch and cfg.eval.draft:
+        p.error("eval.choose_epoch", "eval.draft was trained elsewhere: there are no epochs here")
+    elif cfg.eval.choose_epoch and not cfg.train.keep_epoch_drafts:
+        p.error(
+            "eval.choose_epoch",
+            "needs every epoch's draft: set train.keep_epoch_drafts=true (it also turns the "
+            "choice on)",
+        )
+    elif choosing_epoch(cfg):
+        n = cfg.train.epochs
+        p.add(
+            "epoch choice",
+            f"each of the {n} epochs' drafts served on the first {cfg.eval.choose_epoch_prompts} "
+            f"prompts of the first set ({n} more server starts), the best evaluated fully and "
+            "published (eval.choose_epoch)",
+        )
     if cfg.hardware.vllm.endpoint:
-        skipped = [k for k in ("compare_target", "random_baseline") if getattr(cfg.eval, k)]
+        skipped = [
+            k
+            for k in ("compare_target", "random_baseline", "baseline_draft")
+            if getattr(cfg.eval, k)
+        ]
         if skipped:
             p.warn(
                 ", ".join(f"eval.{k}" for k in skipped),
@@ -460,6 +597,38 @@ def plan(p: Plan, view: PlanView) -> None:
             "eval.max_model_len",
             f"{cfg.eval.max_model_len} exceeds the target's context of {context} tokens "
             "(vLLM would refuse it after loading; model.max_context overrides the context)",
+        )
+
+
+def _plan_baseline(p: Plan, cfg: RunnerConfig, view: PlanView) -> None:
+    """The draft to beat must be found (or fetchable) and made for this target, now."""
+    from runner.assets.transfer import packed_reason
+
+    folder, why = baseline.locate(cfg)
+    given = cfg.eval.baseline_draft
+    if folder is None:
+        if why:
+            p.error("eval.baseline_draft", why)
+        else:
+            p.add("baseline draft", f"{given}: downloaded from the hub when evaluate runs")
+        return
+    if packed := packed_reason(folder):
+        p.error("eval.baseline_draft", packed)
+    elif _draft_content(str(folder)) is None:
+        p.error(
+            "eval.baseline_draft", f"{folder} holds no draft (config.json and model.safetensors)"
+        )
+    elif wrong := misfits(folder, view.target.layout):
+        p.error(
+            "eval.baseline_draft",
+            f"{given} was not made for this target ({cfg.model.source}): " + "; ".join(wrong),
+        )
+    else:
+        kind = "MLA, sharing the target's kernel" if draft_is_mla(folder) else "standard attention"
+        p.add(
+            "baseline draft",
+            f"{given} ({folder}; {kind}): served on the same prompts and settings, each set's "
+            "acceptance compared prompt by prompt",
         )
 
 

@@ -91,6 +91,7 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
             )
         )
     lines += _concurrency_lines(metrics, path)
+    lines += _baseline_lines(metrics, path, cfg)
     if "speed_check_agrees" in metrics:
         diffs = ", ".join(
             f"{metrics[f'speed_check_{k}']:.2f}x at {where} "
@@ -139,6 +140,27 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
     if extra:
         lines.append(", ".join(extra))
     return [*lines, f"serve it: {serve_command(cfg, path)}"]
+
+
+def _baseline_lines(metrics: Mapping[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:
+    """The run's draft against eval.baseline_draft, set by set, with the verdict."""
+    try:
+        rows = json.loads((path / "baseline.json").read_text())
+    except (OSError, ValueError):
+        return []
+    cells = [
+        f"{r['set']} {r['acceptance_length']:.3f} against {r['baseline_acceptance_length']:.3f} "
+        f"({r['difference']:+.3f}, 95% {r['difference_ci_low']:+.3f} to "
+        f"{r['difference_ci_high']:+.3f}: {r['verdict']})"
+        for r in rows
+    ]
+    line = f"against the baseline draft {cfg.eval.baseline_draft}: " + "; ".join(cells)
+    if "baseline/speedup_c1" in metrics and "speedup_c1" in metrics:
+        line += (
+            f"; speed at concurrency 1 {metrics['speedup_c1']:.2f}x against "
+            f"{metrics['baseline/speedup_c1']:.2f}x"
+        )
+    return [line]
 
 
 def _concurrency_lines(metrics: Mapping[str, Any], path: Path) -> list[str]:
@@ -242,6 +264,7 @@ def tables(_metrics: Mapping[str, Any], path: Path) -> dict[str, list[dict[str, 
         ("eval_table.json", "prompts.json"),
         ("identity.json", "identity.json"),
         ("concurrency.json", "concurrency.json"),
+        ("baseline.json", "baseline.json"),
     ):
         if (path / name).is_file():
             rows = json.loads((path / name).read_text())

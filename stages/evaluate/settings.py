@@ -51,6 +51,18 @@ class EvalConfig:
     # instead of
     # this config's train artifact: `eval.draft=DIR run.stages=[evaluate]`.
     draft: str | None = None
+    # The draft to beat, served with the same settings and prompts: a draft folder, a finished
+    # run of this output root (run:<run id>), or a hub id (org/name; from the Hugging Face cache,
+    # else downloaded). Per set, both acceptance lengths, their paired difference with its 95%
+    # interval and a verdict (better, within noise, worse); stages/evaluate/baseline.py.
+    baseline_draft: str | None = None
+    # The epoch to ship, chosen by serving: each epoch's draft the train stage kept
+    # (train.keep_epoch_drafts) is served on the first eval.choose_epoch_prompts prompts of the
+    # first set, the best by acceptance length (a tie to the earlier epoch) is evaluated fully
+    # and published; acceptance peaks after a few epochs while the loss keeps falling.
+    # null: on when train.keep_epoch_drafts is. Each epoch costs a server start.
+    choose_epoch: bool | None = None
+    choose_epoch_prompts: int = 20
     # Also serve a randomly initialised draft of the same shape, as a floor for comparison.
     random_baseline: bool = False
     # Also serve the target alone: checks greedy output is unchanged and measures the speed ratio.
@@ -112,6 +124,7 @@ class EvalConfig:
             "num_speculative_tokens",
             "timeout_s",
             "speed_prompts",
+            "choose_epoch_prompts",
         ):
             at_least(f"eval.{key}", getattr(self, key), 1)
         if self.num_speculative_tokens > SPECULATIVE_TOKENS_MAX:

@@ -1,0 +1,120 @@
+"""The draft to beat (`eval.baseline_draft`): where it comes from, and how the run's draft
+compares with it on the same prompts, server settings and engine.
+
+    where = locate(cfg)                 # (folder or None, why not, what it is) - the plan's
+    folder = fetch(cfg)                 # the stage's: a hub id is downloaded here
+    rows = compare(ours, theirs, names) # per set: both lengths, the paired difference, a verdict
+
+`eval.baseline_draft` is a draft folder, a finished run of this output root's MLflow store
+(`run:<run id>`: its trained draft), or a hub id (`org/name`, from the Hugging Face cache or
+downloaded when the stage runs). Served with the same settings as the run's own draft (an MLA
+draft shares the target's attention kernel), on the same prompts, so the two acceptance lengths
+pair prompt by prompt: the verdict comes from the 95% interval of their difference, prompts
+resampled together (runner/core/intervals.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from runner.core.intervals import paired_ratio_difference
+from runner.core.schema import RunnerConfig
+from runner.tracking.runs import tracking_uri
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+BETTER, SAME, WORSE = "better", "within noise", "worse"
+
+
+def _run_draft(cfg: RunnerConfig, run_id: str) -> tuple[Path | None, str]:
+    """The trained draft of a finished run of this root's store."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri(cfg.tracking.uri, Path(cfg.run.output_root)))
+    try:
+        run = client.get_run(run_id)
+    except Exception as exc:  # MLflow raises its own exception for an unknown id
+        return None, f"run {run_id} is not in this output root's MLflow store ({exc})"[:400]
+    if run.info.status != "FINISHED":
+        return None, f"run {run_id} is {run.info.status}, not a finished run"
+    train = run.data.tags.get("path.train")
+    if not train:
+        return None, f"run {run_id} trained no draft (no path.train tag)"
+    return Path(train) / "draft", ""
+
+
+def _cached_hub(repo: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo, local_files_only=True))
+    except Exception:  # not in the cache (huggingface_hub raises several kinds)
+        return None
+
+
+def locate(cfg: RunnerConfig) -> tuple[Path | None, str]:
+    """(folder, "") where the baseline lies now; (None, why) if it cannot be served; a hub id
+    not yet in the cache gives (None, "") where downloading is allowed (the stage fetches)."""
+    value = str(cfg.eval.baseline_draft)
+    if value.startswith("run:"):
+        return _run_draft(cfg, value[4:])
+    folder = Path(value).expanduser()
+    if folder.exists() or not HUB_ID.match(value):
+        return (folder, "") if folder.is_dir() else (None, f"{value} is not a folder")
+    found = _cached_hub(value)
+    if found is not None:
+        return found, ""
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return None, f"hub id {value} is not in the Hugging Face cache and HF_HUB_OFFLINE=1"
+    return None, ""
+
+
+def fetch(cfg: RunnerConfig) -> Path:
+    """The baseline's folder, downloading a hub id that is not cached yet."""
+    folder, why = locate(cfg)
+    if folder is not None:
+        return folder
+    if why:
+        raise FileNotFoundError(why)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(cfg.eval.baseline_draft)))
+
+
+def compare(
+    ours: dict[str, list[dict[str, Any]]], theirs: dict[str, list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """Per prompt set: each draft's acceptance length (1 + accepted / drafts over the set's
+    prompts), their difference and its 95% interval with prompts resampled in pairs, and the
+    verdict: better or worse where the interval excludes 0, else within noise."""
+    rows = []
+    for name, mine in ours.items():
+        other = theirs.get(name)
+        if not other or len(other) != len(mine):
+            continue
+        pairs = [(a, b) for a, b in zip(mine, other, strict=True) if a["drafts"] and b["drafts"]]
+        if not pairs:
+            continue
+        diff, lo, hi = paired_ratio_difference(
+            [a["accepted"] for a, _ in pairs],
+            [a["drafts"] for a, _ in pairs],
+            [b["accepted"] for _, b in pairs],
+            [b["drafts"] for _, b in pairs],
+        )
+        rows.append(
+            {
+                "set": name,
+                "prompts": len(pairs),
+                "acceptance_length": 1
+                + sum(a["accepted"] for a, _ in pairs) / sum(a["drafts"] for a, _ in pairs),
+                "baseline_acceptance_length": 1
+                + sum(b["accepted"] for _, b in pairs) / sum(b["drafts"] for _, b in pairs),
+                "difference": diff,
+                "difference_ci_low": lo,
+                "difference_ci_high": hi,
+                "verdict": BETTER if lo > 0 else WORSE if hi < 0 else SAME,
+            }
+        )
+    return rows
