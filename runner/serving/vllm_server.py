@@ -395,11 +395,13 @@ class VllmServer(_ServerApi):
     def stop(self) -> None:
         self._proc.stop()
         if self.warnings:
+            # The log is written in the stage's scratch folder, which is gone once the stage is
+            # published: name it where it will be (kept in scratch if the stage fails).
             log.info(
-                "[%s] vLLM logged %d warning(s), not shown here: %s",
+                "[%s] vLLM logged %d warning(s), not shown here: logs/%s of the stage's output",
                 self.label,
                 len(self.warnings),
-                self.log_path,
+                self.log_path.name,
             )
             self.warnings = []
 

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -487,6 +488,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         )
     out = ctx.out / "regenerated"
     out.mkdir()
+    if (ctx.scratch / "logs").is_dir():  # the servers' logs, kept with the answers they gave
+        shutil.copytree(ctx.scratch / "logs", ctx.out / "logs")
     names = [s.name for s in sources(cfg.data)]
     for i, _name in enumerate(names):
         with (out / f"source_{i}.jsonl").open("w") as fh:
@@ -578,6 +581,7 @@ STAGE = Stage(
     identities=("tokenizer_id", "weights_id"),
     plan=plan,
     summary=summary,
+    logged={"logs": "regenerate/logs"},
     server=lambda cfg: (
         ServerNeed(GENERATE, cfg.data.max_seq_len, "data.max_seq_len")
         if cfg.regenerate.backend == "vllm"
