@@ -182,7 +182,8 @@ def _concurrency_lines(metrics: Mapping[str, Any], path: Path) -> list[str]:
                 "tok/s a stream"
             )
         if "speed_crossover" in metrics:
-            where = f"stops paying at {metrics['speed_crossover']:.0f} streams" + (
+            n = metrics["speed_crossover"]
+            where = f"stops paying at {n:.0f} stream{'' if n == 1 else 's'}" + (
                 "" if metrics.get("speed_crossover_certain") else " (within its noise)"
             )
         else:
