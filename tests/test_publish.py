@@ -297,10 +297,11 @@ def test_the_card_gives_the_acceptance_with_its_interval_and_where_it_was_measur
               "hardware.gpu_kind": "RTX PRO 6000", "hardware.device": "cuda"}  # fmt: skip
     run = SimpleNamespace(
         info=SimpleNamespace(run_id="r"),
-        data=SimpleNamespace(params=params, tags={}, metrics={"train/val_loss_epoch": 2.5}),
+        data=SimpleNamespace(params=params, tags={}),
     )
     rows = [{"set": "mtbench", "prompts": 80, "k": 3, "acceptance_length": 2.1,
-             "ci95": [2.0, 2.2], "per_position": [0.6, 0.3, 0.2]}]  # fmt: skip
+             "ci95": [2.0, 2.2], "per_position": [0.6, 0.3, 0.2]},
+            {"stage": "train", "validation_loss": 2.5}]  # fmt: skip
     card = model_card(run, {"speculators_version": "0.9.0"}, "me/d", results=rows)
     assert "| mtbench (80 prompts) | 3 | 2.100 (2.000-2.200) | 0.600 / 0.300 / 0.200 |" in card
     assert "random draft" not in card  # no column of dashes where none was measured

@@ -277,7 +277,7 @@ def model_card(
             + (f" {'-' if random is None else f'{random:.3f}'} |" if with_random else "")
         )
     acceptance = "\n".join(rows) if measured else "Not evaluated."
-    context = measured_on(run, draft_config)
+    context = measured_on(run, draft_config, found)
     lic = license_ or card_license(p, draft_config)
     datasets = card_datasets(p)
     front_yaml = "\n".join(
@@ -358,10 +358,10 @@ See `train_command.txt`.
 """
 
 
-def measured_on(run: Any, draft_config: dict[str, Any]) -> str:
+def measured_on(run: Any, draft_config: dict[str, Any], found: list[dict[str, Any]]) -> str:
     """Where and with what the figures were measured: hardware, engine and library versions,
-    the serving settings and the validation loss."""
-    p, metrics = run.data.params, getattr(run.data, "metrics", {}) or {}
+    the serving settings, and the validation loss (from the run's results rows)."""
+    p = run.data.params
     try:
         served = json.loads(
             (Path(run.data.tags["path.evaluate"]) / "manifest.json").read_text()
@@ -374,7 +374,7 @@ def measured_on(run: Any, draft_config: dict[str, Any]) -> str:
         f"{gpus}x {kind}" if gpus not in ("0", None) and kind not in (None, "None") else None
     ) or f"{p.get('hardware.name')} ({p.get('hardware.device')})"
     settings = ", ".join(f"{k} {v}" for k, v in (served.get("serving") or {}).items())
-    val = metrics.get("train/val_loss_epoch")
+    val = next((r["validation_loss"] for r in found if "validation_loss" in r), None)
     lines = [
         f"Measured on {hardware}, vLLM {served.get('vllm', 'of the run')}, greedy, "
         f"speculators {draft_config.get('speculators_version', '?')}"

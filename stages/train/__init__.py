@@ -283,6 +283,12 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
     return lines
 
 
+def results(metrics: Mapping[str, Any], _cfg: RunnerConfig) -> list[dict[str, Any]]:
+    """What a published card shows of training: the last epoch's validation loss."""
+    val = metrics.get("val_loss_epoch")
+    return [] if val is None else [{"validation_loss": val}]
+
+
 def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
     # speculators' own curves: train/loss (its last value) and val/loss_epoch.
     return {"train_loss": metrics.get("loss"), "val_loss": metrics.get("val_loss_epoch")}
@@ -299,6 +305,7 @@ STAGE = Stage(
     logged={"draft": "draft", "metrics.jsonl": "train", "logs": "train/logs"},
     summary=summary,
     columns=columns,
+    results=results,
     also_reads=("val/",),
     # Without an evaluation, a sweep plots and compares the validation loss.
     plotted="val_loss",
