@@ -299,6 +299,9 @@ class Pipeline:
             if not (stage.curves and k.startswith(stage.curve_copies))
         }
         self.tracker.log_metrics(metrics, prefix=f"{p.name}/")
+        kept = art.path / stage.replayed_params if stage.replayed_params else None
+        if status == "cached" and kept is not None and kept.is_file():
+            self.tracker.log_params(json.loads(kept.read_text()))
         replay = status == "cached" or not stage.curves_live
         if stage.curves and replay and (art.path / stage.curves).is_file():
             self.tracker.replay_curves(art.path / stage.curves)

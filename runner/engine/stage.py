@@ -251,6 +251,9 @@ class Stage:
     # False: the stage writes the curves' file itself and nothing logs them while it computes,
     # so a computed run logs them from the file as a reused one does.
     curves_live: bool = True
+    # Params a library logs into the run while the stage computes, kept as a JSON object in the
+    # artifact: a run that reuses the artifact logs them too, so both hold the same params.
+    replayed_params: str | None = None
     # (metrics, artifact path) -> {artifact file: rows (list of dicts)}, logged with
     # mlflow.log_table so that the UI shows them as tables.
     tables: Callable[[Mapping[str, Any], Path], dict[str, list[dict[str, Any]]]] | None = None

@@ -350,11 +350,20 @@ class MetricCapture(logging.Handler):
 _OTHER_METHODS = ("dflash", "dflash2", "dspark", "xpress", "peagle", "mtp")
 
 
+# Beside metrics.jsonl: speculators' resolved settings as the params SettingsAsParams logged.
+PARAMS_FILE = "speculators_params.json"
+
+
 class SettingsAsParams(logging.Filter):
     """On speculators' MLflow handler: its resolved settings (the record it logs with
     `hparams=True`, `log_run_config`) become MLflow params under "speculators.", not 65
     one-point metrics; sections for draft methods this run does not train are left out. Every
-    other record (the training curves) passes to the handler unchanged."""
+    other record (the training curves) passes to the handler unchanged. With `path`, the params
+    are also written there (JSON), so that a run reusing the training logs the same params."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        super().__init__()
+        self.path = path
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not getattr(record, "hparams", False) or not isinstance(record.msg, dict):
@@ -369,6 +378,8 @@ class SettingsAsParams(logging.Filter):
 
             flat = flatten(settings, "speculators.")
             items = [(k, str(v)[:6000]) for k, v in flat.items()]
+            if self.path is not None:
+                self.path.write_text(json.dumps(dict(items), indent=1))
             for i in range(0, len(items), 100):
                 mlflow.log_params(dict(items[i : i + 100]))
         except Exception as exc:
@@ -390,7 +401,9 @@ def capture_metrics(path: Path | None = None) -> Iterator[MetricCapture]:
         metrics_log = logging.getLogger("speculators.metrics")
         for handler in metrics_log.handlers:
             if type(handler).__name__ == "MLFlowHandler":
-                handler.addFilter(SettingsAsParams())
+                handler.addFilter(
+                    SettingsAsParams(path.with_name(PARAMS_FILE) if path is not None else None)
+                )
         metrics_log.addHandler(capture)
         # Its per-step dicts go to MLflow and metrics.jsonl, not to the console (they were half
         # of a run's log); the runner prints a progress line instead (train.echo_steps: both).

@@ -39,6 +39,7 @@ from runner.engine.stage import EXTRACTION, ServerNeed, Stage, StageContext
 from runner.integrations import SLOT_BACKEND
 from runner.integrations.speculators import (
     ECHO_STEPS_ENV,
+    PARAMS_FILE,
     TRAINING_STATE,
     best_checkpoint,
     chain_requeue,
@@ -226,6 +227,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             f"{outcome.get('local_step')} (global step {outcome.get('global_step')}) and saved a "
             f"checkpoint. {resume_hint(ctx.scratch, ctx.rerun_command)}",
         )
+    if (work / PARAMS_FILE).is_file():  # logged live; replayed by runs that reuse this
+        shutil.copy2(work / PARAMS_FILE, ctx.out / PARAMS_FILE)
     records = metric_records(work / "metrics.jsonl")
     with open(ctx.out / "metrics.jsonl", "w") as fh:
         for r in records:
@@ -312,6 +315,7 @@ STAGE = Stage(
     # speculators logs train/* and val/* while training; the manifest's final_*, val_* and
     # first_loss repeat their last values.
     curves="metrics.jsonl",
+    replayed_params=PARAMS_FILE,
     curve_copies=("final_", "val_", "first_loss"),
     plan=plan,
     # Online, training fetches states from a vLLM server (extract.mode=online).
