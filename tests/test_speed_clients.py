@@ -179,3 +179,24 @@ def test_each_concurrency_level_holds_that_many_streams_on_the_server():
         ]
         assert all(len(out[label][k]) == 2 for k in ("c1", "batch", "c3", "c12"))
         assert "c3" not in out[label]["check"]
+
+
+def test_a_set_being_served_prints_how_many_prompts_are_answered(monkeypatch, caplog):
+    import logging
+
+    from stages.evaluate import serving
+
+    monkeypatch.setattr(serving, "PROGRESS_EVERY_S", 0.0)
+    stand_in = StandIn(delay=0.01)
+    e = SimpleNamespace(max_new_tokens=TOKENS, timeout_s=60)
+    prompts = PROMPTS[:4]
+    with caplog.at_level(logging.INFO, logger="runner"):
+        outs = asyncio.run(
+            serving._generate_all(
+                _server(stand_in), prompts, SimpleNamespace(eval=e), counting="draft: mtbench"
+            )
+        )
+    assert len(outs) == 4
+    lines = [r.getMessage() for r in caplog.records if "prompts answered" in r.getMessage()]
+    assert lines[0] == "[evaluate] draft: mtbench: 1/4 prompts answered"
+    assert len(lines) == 3  # not after the last: the set's own line says it is done

@@ -139,7 +139,7 @@ def test_the_training_progress_line_carries_loss_accuracy_and_the_whole_stages_e
     import runner.integrations.speculators as sp
 
     monkeypatch.setattr(sp, "PROGRESS_EVERY_S", 0.0)
-    clock = iter([100.0, 100.0, 101.0, 102.0])
+    clock = iter([100.0, 100.0, 101.0, 102.0, 103.0])
     fake = SimpleNamespace(time=lambda: next(clock), strftime=time.strftime, gmtime=time.gmtime)
     monkeypatch.setattr(sp, "time", fake)
     records = [{"step": 4, "train/loss": 9.5, "train/full_acc_0": 0.25, "train/full_acc_1": 0.1}]
@@ -149,7 +149,12 @@ def test_the_training_progress_line_carries_loss_accuracy_and_the_whole_stages_e
         progress.step(6)
         records.append({"step": 6, "train/loss": 8.25, "train/full_acc_0": 0.5})
         progress.step(7)
+        # Several steps since the last line: their mean, not the newest step's jumpy value.
+        records.append({"step": 7, "train/loss": 6.0, "train/full_acc_0": 0.5})
+        records.append({"step": 8, "train/loss": 8.0, "train/full_acc_0": 0.7})
+        progress.step(8)
     lines = [r.getMessage() for r in caplog.records]
+    assert lines[2].startswith("[train] step 8/25 (epoch 1/3), loss 7.000, acc 0.60 (mean of 2 ")
     assert lines[0] == (
         "[train] step 6/25 (epoch 1/3), loss 9.500, acc 0.25/0.10, 1.00 steps/s, "
         "stage ends in 00:19"

@@ -258,8 +258,7 @@ class Pipeline:
         art = self.store.get(p.name, p.key) if p.action == "cached" else None
         if art is not None:
             self._check_provenance(p.stage, art)
-            log.info("[%s] cached: reusing %s", p.name, art.path)
-            status = "cached"
+            status = "cached"  # one line for it, below, once it is recorded
         else:
             with self.store.lock(p.name, p.key):
                 art = self.store.get(p.name, p.key)
@@ -284,7 +283,8 @@ class Pipeline:
                     f"'{p.name}' ({type(exc).__name__}: {exc}); the artifact itself is published "
                     f"at {art.path}"
                 ) from exc
-        log.info("[%s] %s in %.1f s -> %s", p.name, status, seconds, art.path)
+        done = "cached, reused" if status == "cached" else status
+        log.info("[%s] %s in %.1f s -> %s", p.name, done, seconds, art.path)
         return StageResult(p.stage, p.key, status, seconds, art.path, metrics)
 
     def _track(

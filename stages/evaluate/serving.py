@@ -106,6 +106,7 @@ async def _generate_all(
     cfg: RunnerConfig,
     one_at_a_time: bool = False,
     likeliest: bool = False,
+    counting: str | None = None,
 ) -> list[Any]:
     """Every prompt at once (the server batches them), or one after another, greedy, with the
     generated token ids; `likeliest`: each generated position's likeliest tokens (ids) and their
@@ -118,11 +119,13 @@ async def _generate_all(
         extra["return_tokens_as_token_ids"] = True  # "token_id:123", not text
     # The target's likeliest tokens per position: enough to place a token the draft-served
     # output took at a three-way tie.
+    answered, last = 0, time.time()
     async with openai.AsyncOpenAI(base_url=server.url, api_key="EMPTY", max_retries=0) as client:
 
         async def one(i: int, prompt: Prompt) -> Any:
+            nonlocal answered, last
             try:
-                return await client.chat.completions.create(
+                got = await client.chat.completions.create(
                     model=server.model_id,
                     messages=messages(prompt),
                     temperature=0.0,
@@ -131,6 +134,15 @@ async def _generate_all(
                     extra_body=extra,
                     **({"logprobs": True, "top_logprobs": TOP_LOGPROBS} if likeliest else {}),
                 )
+                answered += 1
+                # `counting` names the set: a line every PROGRESS_EVERY_S while it is served
+                # (a set of long multi-turn prompts takes minutes on a CPU).
+                if counting and time.time() - last >= PROGRESS_EVERY_S and answered < len(prompts):
+                    last = time.time()
+                    log.info(
+                        "[evaluate] %s: %d/%d prompts answered", counting, answered, len(prompts)
+                    )
+                return got
             except Exception as exc:
                 server.check_alive()
                 raise StageError(
@@ -149,6 +161,8 @@ async def _generate_all(
 
 
 TOP_LOGPROBS = 5
+# Seconds between the prompt counter's lines while a set is served.
+PROGRESS_EVERY_S = 30.0
 
 
 def _likeliest(choice: Any) -> list[list[tuple[int, float]]]:
@@ -440,7 +454,11 @@ def _generate_sets(
         before = server.spec_decode_counters()
         t0 = time.time()
         with quiet_http_logs():
-            outs = asyncio.run(_generate_all(server, prompts, cfg, likeliest=likeliest))
+            outs = asyncio.run(
+                _generate_all(
+                    server, prompts, cfg, likeliest=likeliest, counting=f"{label}: {name}"
+                )
+            )
         gen_s = time.time() - t0
         # Counters are cumulative since start; the difference is exactly these prompts.
         counters = counters_delta(server.spec_decode_counters(), before) if drafting else None
