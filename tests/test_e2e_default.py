@@ -190,6 +190,16 @@ def test_mlflow_run_holds_everything(runs):
     run = client.get_run(first.run_id)
     # A run that reuses the training logs the params speculators logged while it trained, so
     # that MLflow's comparison of the two shows no difference that is not one.
+    # The training data and the prompt sets are the run's dataset inputs.
+    found = {
+        (i.dataset.name, {t.key: t.value for t in i.tags}.get("mlflow.data.context"))
+        for i in run.inputs.dataset_inputs
+    }
+    assert ("mtbench", "evaluation") in found and ("humaneval", "evaluation") in found
+    assert any(context == "training" for _, context in found)
+    # The served draft is a version of a registered model: MLflow's Models page lists it.
+    (version,) = client.search_model_versions("name='eagle3-smollm2-135m-instruct'")
+    assert version.run_id == first.run_id and version.source.endswith("/draft")
     reused = client.get_run(second.run_id).data.params
     ours = {k: v for k, v in run.data.params.items() if k.startswith("speculators.")}
     assert ours and ours == {k: v for k, v in reused.items() if k.startswith("speculators.")}

@@ -774,6 +774,11 @@ class TrackingConfig:
     # Seconds to wait for a tracking server (http/https tracking.uri) before the run is refused;
     # checked in the plan, before any stage.
     connect_timeout_s: float = 10.0
+    # A run whose draft was served and passed its gates (not a smoke test) registers it as a
+    # version of this MLflow registered model, so that MLflow's Models page lists it; null =
+    # eagle3-<model.name>. register_draft=false: never.
+    register_draft: bool = True
+    registered_model: str | None = None
 
     def check(self) -> None:
         _at_least("tracking.log_checkpoint_max_mb", self.log_checkpoint_max_mb, 0)

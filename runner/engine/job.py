@@ -242,6 +242,8 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         if warned:  # a research run's figures that would have failed it: publish asks first
             tracker.set_tags({"gate_warnings": "; ".join(warned)[:5000]})
         summary, description = _summary(result, cfg, tracker, failed or warned, bool(failed))
+        if not (failed or warned or cfg.run.smoke_test) and cfg.tracking.register_draft:
+            _register(tracker, cfg, results, description)
         # The results head the run's page in the MLflow UI.
         tracker.set_description("```\n" + description + "\n```")
         if failed:
@@ -356,13 +358,18 @@ def _log_outputs(tracker: Tracker, cfg: RunnerConfig, r: StageResult) -> None:
         if path.exists():
             tracker.log_or_link(path, folder, cfg.tracking.log_checkpoint_max_mb)
     try:
+        if r.stage.inputs is not None:
+            tracker.log_inputs(r.stage.inputs(r.metrics, cfg, r.path))
         for name, rows in (r.stage.tables(r.metrics, r.path) if r.stage.tables else {}).items():
             tracker.log_table(rows, name)
         for name, fig in (r.stage.figures(r.metrics, r.path) if r.stage.figures else {}).items():
             tracker.log_figure(fig, name)
     except Exception as exc:  # a figure is a view of the results: never a reason to fail
         log.warning(
-            "[%s] could not log its tables or figures: %s: %s", r.name, type(exc).__name__, exc
+            "[%s] could not log its inputs, tables or figures: %s: %s",
+            r.name,
+            type(exc).__name__,
+            exc,
         )
 
 
@@ -404,6 +411,27 @@ def _log_comparison(tracker: Tracker, cfg: RunnerConfig, results: dict[str, Stag
         }
     )
     tracker.log_text(json.dumps(found, indent=1), RESULTS_FILE)
+
+
+def _register(
+    tracker: Tracker, cfg: RunnerConfig, results: Mapping[str, Any], description: str
+) -> None:
+    """The served draft as a version in MLflow's model registry (never a reason to fail)."""
+    name = cfg.tracking.registered_model or f"eagle3-{cfg.model.name}"
+    for r in results.values():
+        folder = r.stage.served_draft(r.path) if r.stage.served_draft else None
+        # (a reused evaluation registered its draft when it was computed)
+        if folder is None or not folder.is_dir() or r.status == "cached":
+            continue
+        objective = r.stage.objective
+        tags = {"run_id": tracker.run_id, "target": cfg.model.source}
+        if objective and objective in r.metrics:
+            tags[objective] = f"{r.metrics[objective]:.4f}"
+        try:
+            version = tracker.register_draft(name, folder, description, tags)
+            log.info("registered the draft as %s version %s in MLflow's models", name, version)
+        except Exception as exc:
+            log.warning("could not register the draft in MLflow (%s: %s)", type(exc).__name__, exc)
 
 
 def _gates(results: Mapping[str, Any], cfg: RunnerConfig) -> tuple[list[str], list[str]]:

@@ -254,6 +254,12 @@ class Stage:
     # Params a library logs into the run while the stage computes, kept as a JSON object in the
     # artifact: a run that reuses the artifact logs them too, so both hold the same params.
     replayed_params: str | None = None
+    # artifact path -> the draft folder the stage served (None if none): a run that passes its
+    # gates registers it in MLflow's model registry (tracking.register_draft).
+    served_draft: Callable[[Path], Path | None] | None = None
+    # (metrics, cfg, artifact path) -> the datasets the stage read, logged as MLflow run inputs:
+    # [{"name", "source", "digest", "context", "rows"}] (runner/tracking/runs.py log_inputs).
+    inputs: Callable[[Mapping[str, Any], RunnerConfig, Path], list[dict[str, Any]]] | None = None
     # (metrics, artifact path) -> {artifact file: rows (list of dicts)}, logged with
     # mlflow.log_table so that the UI shows them as tables.
     tables: Callable[[Mapping[str, Any], Path], dict[str, list[dict[str, Any]]]] | None = None

@@ -462,6 +462,56 @@ class Tracker:
         finally:
             plt.close(figure)
 
+    def log_inputs(self, entries: list[Mapping[str, Any]]) -> None:
+        """Datasets as MLflow run inputs (the run page's Datasets column): each entry's "name",
+        "source" (a URL, a hub id, a local path, or another name such as package:sharegpt),
+        "digest", "context" (training, evaluation) and optional "rows"."""
+        import re
+
+        from mlflow.data.code_dataset_source import CodeDatasetSource
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.http_dataset_source import HTTPDatasetSource
+        from mlflow.data.meta_dataset import MetaDataset
+
+        for e in entries:
+            where = str(e["source"])
+            if where.startswith(("http://", "https://")):
+                source: Any = HTTPDatasetSource(where)
+            elif Path(where).expanduser().exists():
+                source = resolve_dataset_source(str(Path(where).expanduser().resolve()))
+            elif re.fullmatch(r"[\w.-]+/[\w.-]+", where):  # a hub id
+                source = HTTPDatasetSource(f"https://huggingface.co/datasets/{where}")
+            else:
+                source = CodeDatasetSource({"source": where})
+            tags = {"rows": str(e["rows"])} if e.get("rows") is not None else None
+            self.mlflow.log_input(
+                MetaDataset(source=source, name=str(e["name"]), digest=str(e["digest"])[:36]),
+                context=str(e["context"]),
+                tags=tags,
+            )
+
+    def register_draft(
+        self, name: str, folder: Path, description: str, tags: Mapping[str, str]
+    ) -> str:
+        """The served draft as a version of registered model `name` (created if new), its
+        source the draft's folder, linked to this run: MLflow's Models page lists it. Returns
+        the version."""
+        client = self.mlflow.MlflowClient(self.uri)
+        try:
+            client.get_registered_model(name)
+        except Exception:  # MLflow raises RESOURCE_DOES_NOT_EXIST for a new name
+            client.create_registered_model(
+                name, description="EAGLE-3 drafts trained by eagle3-runner"
+            )
+        version = client.create_model_version(
+            name,
+            source=str(folder),
+            run_id=self.run_id,
+            description=description[:5000],
+            tags={k: str(v)[:5000] for k, v in tags.items()},
+        )
+        return str(version.version)
+
     def set_description(self, text: str) -> None:
         """The run's description (markdown), shown at the top of its page in the MLflow UI."""
         self.mlflow.set_tag("mlflow.note.content", text)

@@ -438,6 +438,32 @@ def _choose_epoch(
     return best["draft"], choice
 
 
+def inputs(metrics: Mapping[str, Any], cfg: RunnerConfig, path: Path) -> list[dict[str, Any]]:
+    """The prompt sets as MLflow run inputs (context evaluation), each with its prompts."""
+    found = []
+    for i, (name, source) in enumerate(zip(set_names(cfg), prompt_sources(cfg), strict=True)):
+        pre = "" if i == 0 else f"{name}/"
+        if f"{pre}prompts" in metrics:
+            found.append(
+                {
+                    "name": name,
+                    "source": source,
+                    "digest": f"{path.name}-{name}",
+                    "context": "evaluation",
+                    "rows": metrics[f"{pre}prompts"],
+                }
+            )
+    return found
+
+
+def served_draft(path: Path) -> Path | None:
+    """The draft an evaluation served (the run's, or the epoch it chose), from its manifest."""
+    try:
+        return Path(json.loads((path / "manifest.json").read_text())["served"]["draft"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def _weights_per_gpu(cfg: RunnerConfig, facts: ModelFacts) -> float | None:
     """The target's weights on each GPU: its folder's weight files over the tensor-parallel
     size (None where the folder holds none that are known)."""
@@ -668,4 +694,6 @@ STAGE = Stage(
     section="eval",
     curves=CURVES,
     curves_live=False,
+    served_draft=served_draft,
+    inputs=inputs,
 )

@@ -30,7 +30,7 @@ import logging
 import os
 import signal
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -288,6 +288,24 @@ def _take(src: Source, tok: Any, kwargs: dict, bar: Any, pool: Pool | None) -> d
         "multi_turn": multi_turn,
         "dropped": {**{r: 0 for r in DROP_REASONS}, **read.dropped, **dropped},
     }
+
+
+def inputs(metrics: Mapping[str, Any], cfg: RunnerConfig, path: Path) -> list[dict[str, Any]]:
+    """The training data as MLflow run inputs: each source by its hub id where it has one, the
+    rows it gave, and this artifact's key as the digest."""
+    mix = sources(cfg.data)
+    got = metrics.get("rows_from") or {}
+    return [
+        {
+            "name": src.name,
+            # (data.hub_id names the data when there is one source)
+            "source": (src.cfg.hub_id if len(mix) == 1 else None) or src.cfg.source,
+            "digest": path.name,
+            "context": "training",
+            "rows": got.get(src.name, metrics.get("rows") if len(mix) == 1 else None),
+        }
+        for src in mix
+    ]
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -590,4 +608,5 @@ STAGE = Stage(
     # The data a published card names: the rows kept.
     results=lambda metrics, cfg: [{"rows": metrics.get("rows")}],
     summary=summary,
+    inputs=inputs,
 )
