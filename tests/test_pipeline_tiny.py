@@ -146,6 +146,11 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(first_run):
         a.path for a in client.list_artifacts(run.info.run_id, "extract")
     }
     assert "draft checkpoint:" in run.data.tags["mlflow.note.content"]
+    # The training data is the run's dataset input, with the rows prepare kept.
+    (found,) = run.inputs.dataset_inputs
+    tags = {t.key: t.value for t in found.tags}
+    assert tags["mlflow.data.context"] == "training" and tags["rows"] == str(int(m["prepare/rows"]))
+    assert found.dataset.digest == result.results["prepare"].key[:36]
     # The UI opens the experiment in its model-training view, not the GenAI one.
     exp = client.get_experiment(run.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
@@ -158,6 +163,13 @@ def test_second_run_reuses_every_stage(first_run, tiny_model_dir, chats_jsonl):
     assert {s: r.key for s, r in again.results.items()} == {
         s: r.key for s, r in first.results.items()
     }
+    # The reused training's run holds the params speculators logged when it trained.
+    import mlflow
+
+    client = mlflow.MlflowClient(first.tracking_uri)
+    params = [client.get_run(r.run_id).data.params for r in (first, again)]
+    ours = [{k: v for k, v in p.items() if k.startswith("speculators.")} for p in params]
+    assert ours[0] and ours[0] == ours[1]
 
 
 def test_changing_a_training_setting_reruns_only_train(first_run, tiny_model_dir, chats_jsonl):
