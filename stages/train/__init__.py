@@ -292,6 +292,41 @@ def results(metrics: Mapping[str, Any], _cfg: RunnerConfig) -> list[dict[str, An
     return [] if val is None else [{"validation_loss": val}]
 
 
+def figures(_metrics: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """Training and validation loss on one chart against the step (MLflow draws each metric
+    on a chart of its own): the training loss as logged and as a running mean of 20 points,
+    the validation loss at each epoch's end."""
+    try:
+        records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    except (OSError, ValueError):
+        return {}
+    train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
+    val = [(r["step"], r["val/loss_epoch"]) for r in records if "val/loss_epoch" in r]
+    if not train:
+        return {}
+    import matplotlib  # a second to import; only when a run logs its figures
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs, ys = zip(*train, strict=True)
+    ax.plot(xs, ys, alpha=0.3, label="training loss")
+    window = min(20, len(ys))
+    mean = [sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1])
+            for i in range(len(ys))]  # fmt: skip
+    ax.plot(xs, mean, label=f"training loss, running mean of {window} logged points")
+    if val:
+        vx, vy = zip(*val, strict=True)
+        ax.plot(vx, vy, "o-", label="validation loss (epoch end)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (summed over draft positions)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return {"train/loss_curves.png": fig}
+
+
 def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
     # speculators' own curves: train/loss (its last value) and val/loss_epoch.
     return {"train_loss": metrics.get("loss"), "val_loss": metrics.get("val_loss_epoch")}
@@ -309,6 +344,7 @@ STAGE = Stage(
     summary=summary,
     columns=columns,
     results=results,
+    figures=figures,
     also_reads=("val/",),
     # Without an evaluation, a sweep plots and compares the validation loss.
     plotted="val_loss",
