@@ -99,6 +99,11 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     run = children[0]
     assert "plan.txt" in {a.path for a in client.list_artifacts(run.info.run_id)}
     assert f"sweep parent run {parent}" in stdout and "mlflow ui --backend-store-uri" in stdout
+    # One plan for the sweep and a line per job (each job's summary is its run's description).
+    assert stdout.count("==== eagle3 runner: plan ====") == 1
+    jobs = [ln for ln in stdout.splitlines() if ln.startswith("[job ")]
+    assert [ln.split("]")[0] for ln in jobs] == [f"[job {i}" for i in range(9)]
+    assert all("MLflow run " in ln and "computed" in ln for ln in jobs)
 
 
 def test_report_prints_the_table_from_mlflow(sweep):

@@ -52,7 +52,7 @@ from runner.tracking.job_tags import (
     SERIES_TAG,
 )
 from runner.tracking.runs import Tracker, process_tags, tracking_uri
-from runner.tracking.sweep import PARENT_ENV, SEARCH_ENV, sweep_job_tags, swept_keys
+from runner.tracking.sweep import PARENT_ENV, SEARCH_ENV, sweep_job, sweep_job_tags, swept_keys
 
 log = logging.getLogger("runner")
 # Set: an unexpected error while planning shows its traceback instead of one line.
@@ -193,7 +193,13 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
                 f"one; include {' or '.join(reporting) or 'a stage that declares one'}",
             )
         plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, layout)
-        _echo(plan.render())
+        job = sweep_job()
+        if job is None or job[0] == 0:
+            _echo(plan.render())
+        else:  # a sweep's later job: its overrides and its plan's problems (the plan: MLflow)
+            _echo(f"==== job {job[0]}: {job[1]} ====")
+            for p in plan.problems:
+                _echo(f"  {p.level.upper():<8} {p.key}: {p.message}")
         log.info("preflight took %.2f s since start", time.time() - t_start)
         plan.raise_first_error()
         if cfg.run.plan_only:
@@ -262,10 +268,25 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         raise
     with held_back() as came:
         tracker.end("FINISHED")
-    _echo(summary)
+    job = sweep_job()
+    if job is None:
+        _echo(summary)
+    else:  # the whole summary is the run's description in MLflow
+        _echo(_job_line(job, result, tracker))
     if came:  # the work was done and recorded; the process still stops as it was told
         raise Interrupted(came[0], "the run had finished and is recorded as FINISHED")
     return result
+
+
+def _job_line(job: tuple[int, str], result: JobResult, tracker: Tracker) -> str:
+    """A sweep job's one line: its overrides, its objective, what it computed, its run."""
+    name = next((r.stage.objective for r in result.results.values() if r.stage.objective), None)
+    got = f"{name} {result.objective:.3f}" if name and result.objective is not None else "done"
+    computed = [n for n, r in result.results.items() if r.status == "computed"]
+    return (
+        f"[job {job[0]}] {job[1]}: {got}; computed {', '.join(computed) or 'nothing'} in "
+        f"{result.seconds:.0f} s; MLflow run {tracker.run_id}"
+    )
 
 
 def _follow(cfg: RunnerConfig, planned: list[Any], store: ArtifactStore) -> None:

@@ -52,6 +52,19 @@ PARENT_ENV = shared_servers.PARENT_ENV
 SEARCH_ENV = "EAGLE3_RUNNER_SEARCH"
 
 
+def sweep_job() -> tuple[int, str] | None:
+    """(number, overrides) of this job in a multirun (`-m`), None outside one: a sweep prints
+    one plan and a line per job, not a plan and a summary for each."""
+    if not HydraConfig.initialized():
+        return None
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    return int(hc.job.num), shlex.join(hc.overrides.task)
+
+
 def sweep_job_tags() -> dict[str, str]:
     """The job number and overrides of the current Hydra sweep job (empty outside one)."""
     if not HydraConfig.initialized():
