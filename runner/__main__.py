@@ -18,9 +18,11 @@ SIGINT / SIGTERM (the MLflow run is KILLED; the same command continues).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -33,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.core.errors import ConfigError, StageError
 from runner.core.interrupts import Interrupted, as_interrupted, held_back
 from runner.core.schema import DataSource, did_you_mean, register, schema_for
-from runner.engine.job import rerun_command, run_job
+from runner.engine.job import rerun_command, run_job, stages_started
 from runner.engine.stage import Stage
 from runner.integrations.hydra_plugins import expose
 from runner.serving.shared_servers import stop_all
@@ -96,6 +98,7 @@ def main(cfg: DictConfig) -> float | None:
             _exit_now(2)
         if multirun:
             return None
+        _drop_run_dir()
         sys.exit(2)
     except StageError as exc:
         print(f"\nstage error: {exc}", file=sys.stderr)
@@ -128,8 +131,26 @@ def main(cfg: DictConfig) -> float | None:
     if cfg.run.plan_only and not multirun:
         # Nothing is left to write; skip the interpreter's teardown of torch and transformers
         # (about a second of a plan that should take a few).
+        _drop_run_dir()
         _exit_now(0)
     return result.objective  # for sweepers that optimise it
+
+
+def _drop_run_dir() -> None:
+    """A plan alone, or a run refused before any stage, leaves no <output_root>/hydra/<time>/
+    folder behind: what it printed is all it has to say (and nothing ran to keep a log of)."""
+    if stages_started():  # its log tells what the stages did before the refusal
+        return
+    folder = Path(HydraConfig.get().runtime.output_dir)
+    for handler in list(logging.getLogger().handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(
+            folder
+        ):
+            handler.close()
+            logging.getLogger().removeHandler(handler)
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the hydra/ folder too, if this run made it alone
+        folder.parent.rmdir()
 
 
 def _exit_now(code: int) -> None:

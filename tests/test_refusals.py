@@ -288,6 +288,10 @@ def test_the_command_line_exits_with_the_config_error_code(tmp_path):
     assert "model.source" in missing.stderr and "Traceback" not in missing.stderr
     unwritable = _cli(root=Path("/proc/no/such/root"))
     assert unwritable.returncode == 2 and "run.output_root" in unwritable.stderr
+    # A run refused by the plan, or a plan alone, leaves no hydra/<time>/ folder behind.
+    assert not (tmp_path / "hydra").exists()
+    assert _cli("run.plan_only=true", root=tmp_path / "plan").returncode == 0
+    assert not (tmp_path / "plan" / "hydra").exists()
     assert "Traceback" not in unwritable.stderr
 
 

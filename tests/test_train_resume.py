@@ -104,7 +104,7 @@ def test_sigterm_checkpoints_stops_and_the_printed_command_resumes(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[train] resuming from" in proc.stdout  # the runner says so on the console ...
     # ... and speculators' own account, mid-epoch, is in the job's log file
-    job_logs = sorted((tmp_path / "hydra").glob("*/__main__.log"))
+    job_logs = sorted((tmp_path / "hydra").glob("*/runner.log"))
     assert "Resuming mid-epoch" in job_logs[-1].read_text()
     metrics, weights = train_result(tmp_path)
     assert (metrics["resumes"], metrics["steps_redone"]) == (1, 0)

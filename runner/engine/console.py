@@ -1,7 +1,7 @@
 """One console: the runner's own lines in one format; the libraries' lines go to the job's log.
 
 Hydra's job logging (conf/hydra/job_logging/runner.yaml) gives the console and the job's log file
-(`<output_root>/hydra/<time>/__main__.log`) one format and puts `LibraryFilter` on the console:
+(`<output_root>/hydra/<time>/runner.log`) one format and puts `LibraryFilter` on the console:
 the libraries' records (transformers, datasets, speculators, MLflow, Python warnings) reach the
 console only when they are errors; their warnings are counted by source, and the run's summary
 says how many there were and where they are (`library_note`). `quiet_libraries()` routes the

@@ -89,7 +89,7 @@ def _git_commit() -> str:
 
 
 def _job_log_handlers() -> list[logging.Handler]:
-    """The log files Hydra's job logging writes (`<run dir>/__main__.log`), if any."""
+    """The log files Hydra's job logging writes (`<run dir>/runner.log`), if any."""
     return [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
 
 
@@ -230,6 +230,7 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
     try:
         _log_config(tracker, cfg, target)
         tracker.log_text(plan.render(), PLAN_FILE)  # the plan as printed, linked from the summary
+        _STARTED.append(run_id)
         with _cpu_threads(cfg.hardware.cpu_threads):
             results = {r.name: r for r in pipeline.run(planned)}
         for r in results.values():
@@ -310,6 +311,15 @@ def rerun_command() -> str:
         else ["python", "-m", "runner"]
     )
     return shlex.join([*typed, *HydraConfig.get().overrides.task])
+
+
+# Runs of this process whose stages started: a process whose run was refused before any stage
+# (or that only planned) keeps no Hydra run folder (runner/__main__.py).
+_STARTED: list[str | None] = []
+
+
+def stages_started() -> bool:
+    return bool(_STARTED)
 
 
 # The run's plan, as printed before it ran, among its artifacts.
