@@ -53,6 +53,8 @@ GPU = [
     "data.num_samples=2000",
     "train.epochs=3",
     "train.keep_epoch_drafts=true",
+    # The learning curve serves each epoch's draft itself; the pipeline evaluates the last.
+    "eval.choose_epoch=false",
     "eval.num_prompts=80",
     *gpu_lane_overrides(),
 ]
@@ -312,3 +314,39 @@ def test_a_stopped_gpu_training_resumes_and_redoes_no_step(root, tmp_path):
     m = json.loads((art / "manifest.json").read_text())["metrics"]
     _figures("resume", _train_figures(m) | {"steps_redone": m["steps_redone"]})
     assert (m["resumes"], m["steps_redone"]) == (1, 0)
+
+
+def test_the_gain_by_concurrency_and_against_a_baseline_draft(trained, root):
+    """eval.concurrency and eval.baseline_draft on the GPU: the trained draft's gain over the
+    target alone at 1, 4, 16 and 64 closed-loop streams with intervals and the crossover, each
+    server's KV capacity from vLLM's start-up line, and the draft against its own first epoch's
+    draft served as the baseline on the same prompts (a paired verdict per set)."""
+    train = trained.results["train"]
+    over = [
+        *GPU,
+        f"run.output_root={root}",
+        "run.name=gpu-lane-concurrency",
+        "eval.prompts=[mtbench,humaneval]",
+        "eval.concurrency=[1,4,16,64]",
+        "eval.speed_repeats=3",
+        f"eval.baseline_draft={train.path / 'epochs' / '0'}",
+        "eval.gates=warn",  # a 135M target's identity and floor are the pipeline test's
+    ]
+    ev = run_job(compose(over)).results["evaluate"]
+    m = ev.metrics
+    levels = json.loads((ev.path / "concurrency.json").read_text())
+    rows = json.loads((ev.path / "baseline.json").read_text())
+    _figures(
+        "concurrency",
+        {
+            "levels": levels,
+            "crossover": m.get("speed_crossover"),
+            "kv": {k: v for k, v in m.items() if "kv_" in k},
+        },
+    )
+    _figures("baseline", rows)
+    assert [r["concurrency"] for r in levels] == [1, 4, 16, 64]
+    assert all(r["draft_tok_s"] > 0 and r["target_tok_s"] > 0 for r in levels)
+    assert m["draft_kv_cache_tokens"] > 0 and 0 <= m["kv_cost"] < 1
+    assert [r["set"] for r in rows] == ["mtbench", "humaneval"]
+    assert all(r["verdict"] in ("better", "within noise", "worse") for r in rows)

@@ -384,7 +384,8 @@ def choosing_epoch(cfg: RunnerConfig) -> bool:
 
 
 def _epoch_number(rel: str) -> int:
-    return int(Path(rel).name)
+    """The epoch (from 1) whose end a kept draft is: speculators numbers its folders from 0."""
+    return int(Path(rel).name) + 1
 
 
 def _choose_epoch(
