@@ -75,14 +75,14 @@ phases)  # what `start` runs in the background: A side by side, then B, then C
   L=tests/test_gpu_lane.py
   lane() {  # NAME ROOT TESTS...: one pytest process, its log $G/NAME.log, its exit in NAME.rc
     local name=$1 root=$2; shift 2
-    case " ${GPU_LANE_PARTS:-a1 a2 a3 a4 a5 a6 b c} " in *" $name "*) ;; *) return 0 ;; esac
+    case " ${GPU_LANE_PARTS:-a1 a2 a3 a4 a5 a6 b b2 c} " in *" $name "*) ;; *) return 0 ;; esac
     EAGLE3_GPU_LANE_ROOT=$root $PY -m pytest -m gpu -v -s -p no:cacheprovider "$@" > $G/$name.log 2>&1
     echo $? > $G/$name.rc
   }
   recipe() {  # NAME STAGES: the GPU recipe on the target's own answers (issue 29), its log
     # $G/NAME.log (appended: A runs it up to training, D its evaluation)
     local name=$1
-    case " ${GPU_LANE_PARTS:-a1 a2 a3 a4 a5 a6 b c} " in *" $name "*) ;; *) return 0 ;; esac
+    case " ${GPU_LANE_PARTS:-a1 a2 a3 a4 a5 a6 b b2 c} " in *" $name "*) ;; *) return 0 ;; esac
     $PY -m runner hardware=gpu1 regenerate=vllm regenerate.concurrency=512 data.num_samples=17528 \
       train.epochs=4 eval.num_prompts=80 eval.compare_target=false hardware.vllm_memory_utilization=0.3 \
       run.output_root=$G/root_r run.name=gpu-recipe-target-answers ${2:+"$2"} >> $G/$name.log 2>&1
@@ -107,7 +107,7 @@ phases)  # what `start` runs in the background: A side by side, then B, then C
     set -- $GPU_LANE_B_CPUS; pin=(taskset -c "$1")
     export EAGLE3_GPU_LANE_OVERRIDES="hardware.vllm.command=[taskset,-c,'$2',$PY,-m,vllm.entrypoints.openai.api_server]"
   fi
-  case " ${GPU_LANE_PARTS:-a1 a2 a3 a4 a5 a6 b c} " in *" b "*)
+  case " ${GPU_LANE_PARTS:-a1 a2 a3 a4 a5 a6 b b2 c} " in *" b "*)
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu,pstate \
       --format=csv -lms 1000 > $G/b_gpu.csv 2>&1 &
     gpu_sampler=$!
@@ -118,6 +118,8 @@ phases)  # what `start` runs in the background: A side by side, then B, then C
     $L::test_the_speed_ratio_agrees_with_an_independent_client_on_the_same_servers
   kill ${gpu_sampler:-} ${cpu_sampler:-} 2>/dev/null
   unset EAGLE3_GPU_LANE_OVERRIDES
+  # b2, alone too: the gain at 1 to 64 streams and the draft against its first epoch's
+  lane b2 $G/root $L::test_the_gain_by_concurrency_and_against_a_baseline_draft
   echo "phase B: $(( $(date +%s) - s )) s" >> $G/phases.txt
   lane c $G/root $L::test_the_published_cards_command_serves_the_draft
   echo "phase C: $(( $(date +%s) - s )) s" >> $G/phases.txt
