@@ -118,9 +118,11 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     else:
         del e["choose_epoch"], e["choose_epoch_prompts"]  # (likewise)
     if cfg.eval.baseline_draft:
-        # What is served, wherever it lies (a run id or a hub id names content that can change).
-        folder, _ = baseline.locate(cfg)
-        e["baseline_draft"] = _draft_content(str(folder)) if folder else cfg.eval.baseline_draft
+        # A folder or a run's draft by what is served, wherever it lies; a hub id by its name
+        # (the same before and after it is downloaded).
+        given = cfg.eval.baseline_draft
+        folder, _ = (None, "") if baseline.is_hub_id(given) else baseline.locate(cfg)
+        e["baseline_draft"] = _draft_content(str(folder)) if folder else given
     else:
         del e["baseline_draft"]  # unset: the same measurement as before the setting existed
     return {

@@ -54,6 +54,11 @@ def _cached_hub(repo: str) -> Path | None:
         return None
 
 
+def is_hub_id(value: str) -> bool:
+    """org/name that is not a local path."""
+    return bool(HUB_ID.match(value)) and not Path(value).expanduser().exists()
+
+
 def locate(cfg: RunnerConfig) -> tuple[Path | None, str]:
     """(folder, "") where the baseline lies now; (None, why) if it cannot be served; a hub id
     not yet in the cache gives (None, "") where downloading is allowed (the stage fetches)."""
