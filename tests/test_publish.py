@@ -39,6 +39,11 @@ def test_a_published_draft_loads_elsewhere_with_its_card(trained, tmp_path, tiny
     assert str(tmp_path) not in card and str(trained) not in card
     assert "| draft attention | layer 0: sliding window of 2048 tokens |" in card
     assert str(tiny_model_dir) not in card and "/tmp/" not in card
+    # Nor in any uploaded file: the training command names $OUTPUT_ROOT, the config no local
+    # target folder.
+    assert str(trained) not in (out / "train_command.txt").read_text()
+    assert "$OUTPUT_ROOT" in (out / "train_command.txt").read_text()
+    assert "target_local_path" not in json.loads((out / "config.json").read_text())["eagle3_runner"]
     assert "[1, 2, 3, 4]: vllm (id k = input of decoder layer k" in card
     assert '"method": "eagle3", "model": "me/tiny-eagle3", "num_speculative_tokens": 3' in card
     assert "not evaluated" in card  # this run trained without evaluate

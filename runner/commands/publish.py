@@ -434,6 +434,29 @@ def draft_folder(run: Any) -> Path:
         raise FileNotFoundError(f"run {run.info.run_id} has no draft") from None
 
 
+def _scrub_paths(folder: Path, run: Any, config: dict[str, Any]) -> None:
+    """No path of this machine in a file that is uploaded: the output root and the target's
+    local folder in train_command.txt become $OUTPUT_ROOT and the target's hub id (or
+    $TARGET), and config.json keeps no target_local_path. (speculators' verifier path is the
+    hub id when model.hub_id names one; a local target's stays, as the card says.)"""
+    ours = config.get("eagle3_runner", {})
+    hub = hub_repo_id(ours.get("target_hub_id"))
+    swaps = {}
+    if ours.get("target_local_path"):
+        swaps[str(ours["target_local_path"])] = hub or "$TARGET"
+    if "path.train" in run.data.tags:
+        swaps[str(Path(run.data.tags["path.train"]).parents[2])] = "$OUTPUT_ROOT"
+    command = folder / "train_command.txt"
+    if command.is_file() and swaps:
+        text = command.read_text()
+        for local_path, name in sorted(swaps.items(), key=lambda kv: -len(kv[0])):
+            text = text.replace(local_path, name)
+        command.write_text(text)
+    if "target_local_path" in ours:
+        del ours["target_local_path"]
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def publish(
     run: Any,
     out: Path,
@@ -474,6 +497,7 @@ def publish(
         config = json.loads((tmp / "config.json").read_text())
         repo_ref = repo or f"./{out.name}"
         (tmp / "README.md").write_text(model_card(run, config, repo_ref, license_=license_))
+        _scrub_paths(tmp, run, config)
         if local:
             (tmp / LOCAL_SERVE).write_text(
                 "#!/bin/sh\n# Serves this folder on the machine that evaluated it, with the "
