@@ -117,9 +117,9 @@ def test_a_draft_travels_packed_without_the_targets_embeddings(trained, tmp_path
     )
     # Its name and a marker file say it needs unpacking.
     packed = tmp_path / "draft.packed"
-    assert (
-        "eagle3-runner transfer unpack draft.packed" in (packed / "NEEDS_UNPACKING.txt").read_text()
-    )
+    marker = (packed / "NEEDS_UNPACKING.txt").read_text()
+    assert "eagle3-runner transfer unpack draft.packed" in marker
+    assert str(tiny_model_dir) not in marker and "--target TARGET" in marker  # not this machine's
     record = json.loads((packed / "packed.json").read_text())
     assert list(record["omitted"]) == ["embed_tokens.weight"]
     assert (packed / "model.safetensors").stat().st_size < (

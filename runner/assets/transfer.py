@@ -152,10 +152,19 @@ def pack(draft: Path, out: Path, target: str | Path) -> dict[str, Any]:
         )
         record = {"omitted": omitted, "target_hint": str(target), "out": str(out)}
         (tmp / MANIFEST).write_text(json.dumps(record, indent=1))
+        # A hub id restores anywhere; a local folder is named by its last part only (its
+        # path is the packing machine's).
+        hub = hub_repo_id(str(target))
         (tmp / MARKER).write_text(
             "This EAGLE-3 draft is packed: the tensors it shares with its target were left out\n"
             f"(listed in {MANIFEST}), so it cannot be served or published as it is. Restore it:\n"
-            f"    eagle3-runner transfer unpack {out.name} DRAFT_DIR --target {target}\n"
+            f"    eagle3-runner transfer unpack {out.name} DRAFT_DIR --target {hub or 'TARGET'}\n"
+            + (
+                ""
+                if hub
+                else f"TARGET: the target's folder on this machine (packed against a local "
+                f"folder named {Path(target).name}).\n"
+            )
         )
     return record
 
