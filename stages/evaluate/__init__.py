@@ -160,7 +160,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     else:
         chosen = "draft"
         if choosing_epoch(cfg) and train_art.manifest.get("epoch_drafts"):
-            chosen, _ = _choose_epoch(ctx, train_art, sets[first], ctx.scratch / "logs")
+            chosen, _ = _choose_epoch(ctx, train_art, first, sets[first], ctx.scratch / "logs")
         draft = train_art.path / chosen
         # A draft is served only if every byte is what training published (hashed in full: it
         # is small next to the target, and a bit flip would be served silently).
@@ -391,14 +391,13 @@ def _epoch_number(rel: str) -> int:
 
 
 def _choose_epoch(
-    ctx: StageContext, train_art: Any, prompts: list[Any], logs: Path
+    ctx: StageContext, train_art: Any, first: str, prompts: list[Any], logs: Path
 ) -> tuple[str, dict[str, Any]]:
     """Serve each kept epoch's draft on the first eval.choose_epoch_prompts prompts of the first
     set; the best acceptance length wins, a tie (to 3 decimals) going to the earlier epoch.
     Writes epochs.json, and curves with the epoch as step; returns the chosen draft's folder
     (relative to the train artifact) and the record of the choice."""
     cfg = ctx.cfg
-    first = next(iter(prompt_sets(ctx)))
     subset = {first: prompts[: cfg.eval.choose_epoch_prompts]}
     rows = []
     for rel in sorted(train_art.manifest["epoch_drafts"], key=_epoch_number):
