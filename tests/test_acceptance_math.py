@@ -360,3 +360,14 @@ def test_the_kv_capacity_is_read_from_vllms_own_start_up_line():
     # Two engine cores: the smaller is what each can hold.
     assert kv_capacity(gpu + cpu)["kv_cache_tokens"] == 45006
     assert kv_capacity("no such line") is None
+    # vLLM 0.26 (the CUDA build checked) says it in two lines (one H100, 2026-12-06).
+    two = (
+        "INFO 12-06 06:45:31 [kv_cache_utils.py:2177] GPU KV cache size: 1,482,223 tokens\n"
+        "INFO 12-06 06:45:31 [kv_cache_utils.py:2178] Maximum concurrency for 2,048 tokens per "
+        "request: 723.74x\n"
+    )
+    assert kv_capacity(two) == {
+        "kv_cache_tokens": 1482223,
+        "kv_tokens_per_request": 2048,
+        "kv_max_concurrency": 723.74,
+    }

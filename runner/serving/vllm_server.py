@@ -427,31 +427,27 @@ _COUNTERS = {
 }
 
 
-# vLLM's line once it has sized the KV cache (vllm/v1/core/kv_cache_utils.py, 0.26 to 0.32):
-# "GPU KV cache size: 1,770,000 tokens, Maximum concurrency for 4,096 tokens per request: 12.3x"
-# (CPU on the CPU build).
-_KV_LINE = re.compile(
-    r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: "
-    r"([\d.]+)x"
-)
+# vLLM's lines once it has sized the KV cache (vllm/v1/core/kv_cache_utils.py): one line in
+# 0.32 ("CPU KV cache size: 45,006 tokens, Maximum concurrency for 2,048 tokens per request:
+# 21.98x"), two in 0.26 ("GPU KV cache size: 1,482,223 tokens", then "Maximum concurrency for
+# 2,048 tokens per request: 723.74x"); GPU or CPU as the build.
+_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+_KV_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
 
 def kv_capacity(log_text: str) -> dict[str, float] | None:
     """What a server's log says it holds: KV cache tokens, and how many requests of
     max-model-len tokens fit at once (None if the log has no such line). With several engine
     cores (data parallel) each logs its own: the smallest is what every one can hold."""
-    found = [
-        (int(m[1].replace(",", "")), int(m[2].replace(",", "")), float(m[3]))
-        for m in _KV_LINE.finditer(log_text)
-    ]
-    if not found:
+    tokens = [int(m[1].replace(",", "")) for m in _KV_TOKENS.finditer(log_text)]
+    if not tokens:
         return None
-    tokens, per_request, concurrency = min(found)
-    return {
-        "kv_cache_tokens": tokens,
-        "kv_tokens_per_request": per_request,
-        "kv_max_concurrency": concurrency,
-    }
+    found: dict[str, float] = {"kv_cache_tokens": min(tokens)}
+    fits = [(float(m[2]), int(m[1].replace(",", ""))) for m in _KV_CONCURRENCY.finditer(log_text)]
+    if fits:
+        concurrency, per_request = min(fits)
+        found.update(kv_tokens_per_request=per_request, kv_max_concurrency=concurrency)
+    return found
 
 
 def spec_decode_counters(text: str) -> dict[str, Any]:

@@ -191,16 +191,19 @@ def _concurrency_lines(metrics: Mapping[str, Any], path: Path) -> list[str]:
         lines.append(f"gain by concurrency (eval.concurrency): {'; '.join(cells)}; {where}")
     if "draft_kv_cache_tokens" in metrics:
         d = metrics["draft_kv_cache_tokens"]
-        line = (
-            f"KV cache: {d:,.0f} tokens with the draft "
-            f"({metrics['draft_kv_max_concurrency']:.1f} requests of "
-            f"{metrics['draft_kv_tokens_per_request']:,.0f} tokens at once)"
+        fits = metrics.get("draft_kv_max_concurrency")
+        line = f"KV cache: {d:,.0f} tokens with the draft" + (
+            f" ({fits:.1f} requests of {metrics['draft_kv_tokens_per_request']:,.0f} tokens at "
+            "once)"
+            if fits is not None
+            else ""
         )
         if "kv_cost" in metrics:
+            target_fits = metrics.get("target_kv_max_concurrency")
             line += (
-                f", {metrics['target_kv_cache_tokens']:,.0f} without "
-                f"({metrics['target_kv_max_concurrency']:.1f}): the draft costs "
-                f"{metrics['kv_cost']:.0%} of it"
+                f", {metrics['target_kv_cache_tokens']:,.0f} without"
+                + (f" ({target_fits:.1f})" if target_fits is not None else "")
+                + f": the draft costs {metrics['kv_cost']:.1%} of it"
             )
         lines.append(line)
     return lines
