@@ -368,3 +368,26 @@ def test_the_epoch_to_ship_is_chosen_by_serving_and_published(tmp_path):
         f"the draft of epoch {chosen['epoch']} of 2, chosen by serving"
         in (out / "README.md").read_text()
     )
+
+
+@pytest.mark.browser
+def test_the_mlflow_ui_leads_from_the_home_page_to_the_results(runs):
+    """In Chromium: from MLflow's home page to the finished run (Model training, Experiments,
+    eagle3, the run), whose page shows the acceptance, the training loss chart and the
+    per-prompt table. Skipped where Playwright or a Chromium is missing."""
+    import mlflow
+
+    from tests.mlflow_browser import browse_to_run, chromium, mlflow_ui
+
+    browser = chromium()
+    if browser is None:
+        pytest.skip("no Playwright or no Chromium (pip install '.[browser]')")
+    first, _ = runs
+    run = mlflow.MlflowClient(first.tracking_uri).get_run(first.run_id)
+    root = first.results["evaluate"].path.parents[2]
+    with mlflow_ui(root) as url:
+        seen = browse_to_run(url, run.info.run_name, browser)
+    acceptance = first.results["evaluate"].metrics["acceptance_length"]
+    assert f"acceptance length {acceptance:.3f} on mtbench" in seen["overview"]
+    assert "(train/loss)" in seen["metrics"]
+    assert "prompts.json" in seen["artifacts"]
