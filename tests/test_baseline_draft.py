@@ -70,3 +70,22 @@ def test_the_plan_refuses_a_baseline_it_cannot_serve(tmp_path):
                 )
             )
         assert refused.value.key == "eval.baseline_draft" and why in refused.value.message
+
+
+def test_a_finished_run_of_this_root_names_its_trained_draft(tmp_path):
+    """run:<id>: the draft of a finished run of this output root's store (its path.train)."""
+    import mlflow
+
+    from runner.tracking.runs import tracking_uri
+
+    client = mlflow.MlflowClient(tracking_uri(None, tmp_path))
+    exp = client.create_experiment("eagle3")
+    finished = client.create_run(exp)
+    client.set_tag(finished.info.run_id, "path.train", str(tmp_path / "store/train/abc"))
+    client.set_terminated(finished.info.run_id, "FINISHED")
+    cfg = _cfg(tmp_path, f"run:{finished.info.run_id}")
+    assert baseline.locate(cfg) == (tmp_path / "store/train/abc/draft", "")
+    failed = client.create_run(exp)
+    client.set_terminated(failed.info.run_id, "FAILED")
+    where, why = baseline.locate(_cfg(tmp_path, f"run:{failed.info.run_id}"))
+    assert where is None and "FAILED, not a finished run" in why

@@ -294,13 +294,13 @@ def test_a_draft_that_serves_at_1_fails_the_run_unless_gates_warn(runs, tmp_path
         "kv_cache_dtype": "auto",
         "rejection_sample_method": "standard",
     }
-    # ... and compares the random draft with the trained one, named by its finished run.
+    # ... and compares the random draft with the trained one, from the first run's store.
     warned = run_job(
         compose(
             [
                 *base,
                 "eval.gates=warn",
-                f"eval.baseline_draft=run:{first.run_id}",
+                f"eval.baseline_draft={first.results['train'].path / 'draft'}",
                 *(f"hardware.vllm.{k}={v}" for k, v in settings.items()),
             ]
         )
