@@ -74,12 +74,12 @@ def _wait_and_move(path: str, dest: Path) -> None:
 
 
 async def _request(
-    session: object, url: str, body: bytes, ids: Sequence[int], timeout_s: float
+    http: object, url: str, body: bytes, ids: Sequence[int], timeout_s: float
 ) -> str:
     import aiohttp
 
-    assert isinstance(session, aiohttp.ClientSession)
-    async with session.post(
+    assert isinstance(http, aiohttp.ClientSession)
+    async with http.post(
         f"{url}/completions",
         data=body,
         headers={"Content-Type": "application/json"},
@@ -162,14 +162,14 @@ async def _fetch(
         if given_up[0] >= 2 * concurrency:
             raise ServerGone(got.failed)
 
-    async def one(session: aiohttp.ClientSession, k: int, row: int, attempt: int) -> None:
+    async def one(http: aiohttp.ClientSession, k: int, row: int, attempt: int) -> None:
         server, share = servers[k], got.shares[k]
         ids = [int(t) for t in rows[row]]
         body = json.dumps(
             {"model": server.model, "prompt": ids, "max_tokens": 1, "return_token_ids": True}
         ).encode()
         try:
-            path = await _request(session, share.url, body, ids, timeout_s)
+            path = await _request(http, share.url, body, ids, timeout_s)
             await loop.run_in_executor(
                 files, _wait_and_move, path, out_dir / f"hs_{row}.safetensors"
             )
@@ -207,7 +207,7 @@ async def _fetch(
                     got.failed[item[0]] = f"no server left ({why})"
             raise ServerGone(got.failed)
 
-    async def worker(session: aiohttp.ClientSession, k: int) -> None:
+    async def worker(http: aiohttp.ClientSession, k: int) -> None:
         while True:
             item = await queue.get()
             if item is None:
@@ -215,13 +215,13 @@ async def _fetch(
             if got.shares[k].dropped:
                 queue.put_nowait(item)  # for a server that still answers
                 return
-            await one(session, k, *item)
+            await one(http, k, *item)
 
     connector = aiohttp.TCPConnector(limit=workers)
     try:
-        async with aiohttp.ClientSession(connector=connector) as session:
+        async with aiohttp.ClientSession(connector=connector) as http:
             tasks = [
-                asyncio.create_task(worker(session, k))
+                asyncio.create_task(worker(http, k))
                 for k in range(len(servers))
                 for _ in range(concurrency)
             ]

@@ -286,7 +286,7 @@ async def _rate(
 
     e = cfg.eval
 
-    async def one(session: aiohttp.ClientSession, prompt: Prompt) -> int:
+    async def one(http: aiohttp.ClientSession, prompt: Prompt) -> int:
         body = {
             "model": server.model_id,
             "messages": messages(prompt),
@@ -294,7 +294,7 @@ async def _rate(
             "max_tokens": e.max_new_tokens,
             "seed": 0,
         }
-        async with session.post(f"{server.url}/chat/completions", json=body) as r:
+        async with http.post(f"{server.url}/chat/completions", json=body) as r:
             answer = await r.json()
             if r.status != 200:
                 server.check_alive()
@@ -318,10 +318,10 @@ async def _rate(
     span: list[list[float]] = [[] for _ in users]
     stop = asyncio.Event()
 
-    async def user(session: aiohttp.ClientSession, u: int) -> None:
+    async def user(http: aiohttp.ClientSession, u: int) -> None:
         mine, i, before = users[u], 0, time.perf_counter()
         while not stop.is_set():
-            n = await one(session, mine[i % len(mine)])
+            n = await one(http, mine[i % len(mine)])
             now, i = time.perf_counter(), i + 1
             if stop.is_set():
                 break  # in flight when the window closed: not counted
@@ -342,8 +342,8 @@ async def _rate(
 
     timeout = aiohttp.ClientTimeout(total=e.timeout_s)
     connector = aiohttp.TCPConnector(limit=len(users))
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        await asyncio.gather(*(user(session, u) for u in range(len(users))))
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+        await asyncio.gather(*(user(http, u) for u in range(len(users))))
     # Each user's own rate, summed: exact however the users' answers line up in time (users
     # repeating one greedy prompt each stay in step, and a shared window would cut their
     # rounds at an arbitrary point).
