@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shlex
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,18 +16,8 @@ from runner.core.errors import ConfigError
 from runner.core.schema import typed
 from tests.conftest import compose, run_job
 
-KIMI = str(Path(__file__).parent / "data" / "kimi_k25")
-KIMI_BOX = [
-    "model=kimi_k25",
-    f"model.source={KIMI}",
-    "hardware=blackwell8",
-    "run.plan_only=true",
-    "data.num_samples=100",
-]
-
-
-def plan(tmp_path, *overrides):
-    return run_job(compose([*KIMI_BOX, f"run.output_root={tmp_path}", *overrides]))
+# The design card's Kimi-K2.5 on 8x RTX PRO 6000, planned from its config.json alone.
+from tests.test_preflight import KIMI_BOX, plan
 
 
 def test_the_rtx_pro_6000_box_serves_kimi_with_triton_mla_and_says_so(tmp_path, capsys):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 LEVEL = 0.95
 RESAMPLES = 2000
@@ -26,7 +27,6 @@ def ratio_interval(
 ) -> tuple[float, float]:
     """`level` interval of offset + sum(num)/sum(den), resampling the (num, den) pairs."""
     import numpy as np
-    from scipy.stats import bootstrap
 
     a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
     if len(a) < 2 or b.sum() <= 0:
@@ -37,8 +37,17 @@ def ratio_interval(
         total = y.sum(axis=axis)
         return offset + x.sum(axis=axis) / np.where(total > 0, total, np.nan)
 
+    return _paired_bootstrap((a, b), stat, level)
+
+
+def _paired_bootstrap(arrays: Sequence[Any], stat: Any, level: float) -> tuple[float, float]:
+    """The `level` percentile interval of `stat` over prompts resampled together across
+    `arrays` (a fixed seed: the same data give the same interval)."""
+    import numpy as np
+    from scipy.stats import bootstrap
+
     res = bootstrap(
-        (a, b),
+        tuple(arrays),
         stat,
         paired=True,
         vectorized=True,
@@ -84,7 +93,6 @@ def paired_ratio_difference(
     taking the same prompts for both (two drafts served the same prompts: what one prompt makes
     easy for one it makes easy for the other, and pairing removes that from the noise)."""
     import numpy as np
-    from scipy.stats import bootstrap
 
     arrays = [np.asarray(x, dtype=float) for x in (num_a, den_a, num_b, den_b)]
     value = arrays[0].sum() / arrays[1].sum() - arrays[2].sum() / arrays[3].sum()
@@ -94,17 +102,8 @@ def paired_ratio_difference(
     def stat(a, b, c, d, axis: int = -1):
         return a.sum(axis=axis) / b.sum(axis=axis) - c.sum(axis=axis) / d.sum(axis=axis)
 
-    res = bootstrap(
-        arrays,
-        stat,
-        paired=True,
-        vectorized=True,
-        n_resamples=RESAMPLES,
-        confidence_level=level,
-        method="percentile",
-        rng=np.random.default_rng(0),
-    )
-    return float(value), float(res.confidence_interval.low), float(res.confidence_interval.high)
+    lo, hi = _paired_bootstrap(arrays, stat, level)
+    return float(value), lo, hi
 
 
 def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:

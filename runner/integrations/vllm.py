@@ -124,20 +124,28 @@ def vllm_eagle3_support(architecture: str, version: str) -> dict[str, Any] | Non
     be asked (the plan then reports it as unchecked, not as a failure).
     """
 
-    def ask() -> tuple[dict[str, Any] | None, bool]:
-        try:
-            out = subprocess.run(
-                [sys.executable, "-c", _PROBE, architecture],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=True,
-            ).stdout
-            return json.loads(out.strip().splitlines()[-1]), True
-        except (subprocess.SubprocessError, ValueError, IndexError, OSError):
-            return None, False
+    return remembered(
+        _cache_file(),
+        f"{version}:{architecture}:{_PROBE_VERSION}",
+        lambda: _ask_child(_PROBE, architecture),
+    )
 
-    return remembered(_cache_file(), f"{version}:{architecture}:{_PROBE_VERSION}", ask)
+
+def _ask_child(script: str, *args: str) -> tuple[dict[str, Any] | None, bool]:
+    """The JSON a probe script prints last, run in a child process (importing vLLM takes ~7 s
+    and sets process-wide state): (answer, True), or (None, False) where it could not be asked,
+    which is then not remembered."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", script, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        ).stdout
+        return json.loads(out.strip().splitlines()[-1]), True
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        return None, False
 
 
 # vLLM's own server argument parser, asked in a child process: its module moved between
@@ -248,20 +256,11 @@ def serving_facts(version: str) -> dict[str, Any] | None:
     """The installed vLLM's answers to _SERVING_PROBE, remembered per version (None if it could
     not be asked at all)."""
 
-    def ask() -> tuple[dict[str, Any] | None, bool]:
-        try:
-            out = subprocess.run(
-                [sys.executable, "-c", _SERVING_PROBE],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=True,
-            ).stdout
-            return json.loads(out.strip().splitlines()[-1]), True
-        except (subprocess.SubprocessError, ValueError, IndexError, OSError):
-            return None, False
-
-    return remembered(_cache_file(), f"serving:{version}:{_SERVING_PROBE_VERSION}", ask)
+    return remembered(
+        _cache_file(),
+        f"serving:{version}:{_SERVING_PROBE_VERSION}",
+        lambda: _ask_child(_SERVING_PROBE),
+    )
 
 
 def ledger(facts: dict[str, Any] | None) -> list[tuple[str, bool | None]]:
