@@ -25,6 +25,8 @@ Private APIs touched:
   to refuse one it does not know: `from_sources` ignores it) and
   `speculators.train.config.resolution.ConfigError` (`resolve_train_config`); the checkpoint
   folder's layout (`epoch_dirs`, `best_checkpoint`, `RESUME_ONLY`).
+- on a CPU, through `speculators_cpu.cpu_kernels`: the eager KL loss and the argmax of the
+  EAGLE-3 forward and metrics (faster kernels, the same values).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ from runner.core.errors import ConfigError
 from runner.core.interrupts import STOP_SIGNALS, foreign, handling
 from runner.core.nested import flatten
 from runner.integrations import SLOT_BACKEND, SLOTS_ENV
+from runner.integrations.speculators_cpu import cpu_kernels
 from runner.integrations.versions import lib_version
 
 # Seconds between the training progress lines.
@@ -299,7 +302,8 @@ def runner_training(state: TrainingState, device: str | None = None) -> Iterator
         checkpointer_mod.get_current_device = lambda: "cpu"
     fix_fused_loss_for_torch_compile()
     try:
-        yield
+        with cpu_kernels() if on_cpu else nullcontext():
+            yield
     finally:
         cli.Trainer = base_trainer
         trainer_mod.tqdm = base_bar
