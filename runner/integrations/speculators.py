@@ -47,7 +47,6 @@ from runner.core.errors import ConfigError
 from runner.core.interrupts import STOP_SIGNALS, foreign, handling
 from runner.core.nested import flatten
 from runner.integrations import SLOT_BACKEND, SLOTS_ENV
-from runner.integrations.speculators_cpu import cpu_kernels
 from runner.integrations.versions import lib_version
 
 # Seconds between the training progress lines.
@@ -197,6 +196,8 @@ def runner_training(state: TrainingState, device: str | None = None) -> Iterator
     import speculators.train.trainer as trainer_mod
     import torch
     import torch.distributed as dist
+
+    from runner.integrations.speculators_cpu import cpu_kernels  # imports torch
 
     has_gpu = torch.accelerator.is_available()
     if device == "cuda" and not has_gpu:  # never train on another device than configured
