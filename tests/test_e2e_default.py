@@ -215,6 +215,10 @@ def test_mlflow_run_holds_everything(runs):
         "time/train_s",
     ):
         assert key in run.data.metrics, key
+    # Every stage's seconds, as the README's table of the default's stage times reads them.
+    for stage in ("prepare", "extract", "vocab", "train", "evaluate"):
+        assert run.data.metrics[f"time/{stage}_s"] > 0, stage
+        assert run.data.metrics[f"time/{stage}_compute_cost_s"] > 0, stage
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {
         "config",
