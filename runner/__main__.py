@@ -4,7 +4,7 @@ companion tool (runner/commands/cli.py).
 
 Composes conf/ (see conf/config.yaml), checks the config, materialises the target, plans the
 stages against the artifact store, runs or reuses each one inside one MLflow run, and prints a
-summary with the `mlflow ui` command that shows the run. This module is the composition root:
+summary with the `eagle3-runner ui` command that shows the run. This module is the composition root:
 it builds the stage registry (stages/__init__.py) and hands it to the engine, which imports no
 stage itself. Examples:
     python -m runner                                   # embedded default, CPU, no network

@@ -6,7 +6,9 @@ Playwright or a Chromium is missing."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -33,26 +35,14 @@ def chromium() -> str | None:
 
 @contextlib.contextmanager
 def mlflow_ui(root: Path) -> Iterator[str]:
-    """`mlflow server` on an output root's store (as the run's summary prints it), its address
-    once it answers; stopped after."""
+    """`eagle3-runner ui` on an output root's store (as the run's summary prints it), its
+    address once it answers; stopped after."""
     port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{root / 'mlflow.db'}",
-            "--default-artifact-root",
-            str(root / "mlartifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
+        [sys.executable, "-m", "runner", "ui", "--output-root", str(root), "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its MLflow server's workers stop with it (killpg below)
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -67,14 +57,15 @@ def mlflow_ui(root: Path) -> Iterator[str]:
                 time.sleep(1)
         yield url
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
 
 
 def browse_to_run(url: str, run_name: str, browser: str) -> dict[str, str]:
-    """From the home page: Model training (the one click MLflow 3 asks, remembered by the
-    browser), Experiments, eagle3, the run; then its Overview, its loss chart and its
-    artifacts. Returns the text each view shows."""
+    """From the home page, in a browser that has never chosen MLflow's view: Experiments,
+    eagle3, the run (in the model-training view `eagle3-runner ui` opens it in); then its
+    Overview, its Model metrics and its artifacts. Returns the text each view shows, and under
+    "view" the view the experiment opened in."""
     from playwright.sync_api import sync_playwright
 
     seen = {}
@@ -83,12 +74,26 @@ def browse_to_run(url: str, run_name: str, browser: str) -> dict[str, str]:
         page = b.new_page(viewport={"width": 1400, "height": 1000})
         page.set_default_timeout(30_000)
         page.goto(url, wait_until="load")
-        page.get_by_text("Model training").first.click()
         page.get_by_role("link", name="Experiments").first.click()
         page.get_by_role("link", name="eagle3").first.click()
+        page.get_by_role("link", name=run_name).first.wait_for()
+        seen["view"] = page.evaluate("localStorage.getItem('mlflow.workflowType_v1')") or ""
+        seen["experiment"] = page.inner_text("body")
         page.get_by_role("link", name=run_name).first.click()
         page.get_by_text("acceptance length").first.wait_for()
         seen["overview"] = page.inner_text("body")
+        # The figures after the summary in the description (MLflow shows its first lines, then
+        # "Show more"), loaded: an image MLflow could not serve has no size.
+        page.get_by_text("Show more").first.click()
+        page.locator('img[src*="loss_curves.png"]').first.wait_for()
+        figures = "[...document.images].filter(i => i.src.includes('get-artifact'))"
+        page.wait_for_function(f"{figures}.every(i => i.complete)")
+        seen["figures"] = "\n".join(
+            page.evaluate(
+                f"{figures}.filter(i => i.naturalWidth > 0)"
+                ".map(i => new URL(i.src).searchParams.get('path'))"
+            )
+        )
         page.get_by_role("tab", name="Model metrics").click()
         page.get_by_placeholder("Search metric charts").fill("train/loss")
         page.get_by_text("(train/loss)").first.wait_for()

@@ -87,9 +87,10 @@ def test_the_companions_share_one_flag_vocabulary():
     from io import StringIO
 
     from runner.commands import gc, publish, report
+    from runner.tracking import ui
 
     flags = {}
-    for name, mod in (("gc", gc), ("publish", publish), ("report", report)):
+    for name, mod in (("gc", gc), ("publish", publish), ("report", report), ("ui", ui)):
         buf = StringIO()
         with redirect_stdout(buf), pytest.raises(SystemExit):
             mod.main(["--help"])

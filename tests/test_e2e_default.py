@@ -376,8 +376,9 @@ def test_the_epoch_to_ship_is_chosen_by_serving_and_published(tmp_path):
 
 @pytest.mark.browser
 def test_the_mlflow_ui_leads_from_the_home_page_to_the_results(runs):
-    """In Chromium: from MLflow's home page to the finished run (Model training, Experiments,
-    eagle3, the run), whose page shows the acceptance, the training loss chart and the
+    """In Chromium, through `eagle3-runner ui`: from MLflow's home page to the finished run
+    (Experiments, eagle3, the run: the experiment opens in Model training), whose page shows
+    the acceptance and the training loss figure without a search, then the loss chart and the
     per-prompt table. Skipped where Playwright or a Chromium is missing."""
     import mlflow
 
@@ -391,7 +392,10 @@ def test_the_mlflow_ui_leads_from_the_home_page_to_the_results(runs):
     root = first.results["evaluate"].path.parents[2]
     with mlflow_ui(root) as url:
         seen = browse_to_run(url, run.info.run_name, browser)
+    # The experiment opened in Model training, not in MLflow's GenAI view, with no click.
+    assert seen["view"] == '"machine_learning"' and "Detect Issues" not in seen["experiment"]
     acceptance = first.results["evaluate"].metrics["acceptance_length"]
     assert f"acceptance length {acceptance:.3f} on mtbench" in seen["overview"]
+    assert "train/loss_curves.png" in seen["figures"].splitlines()
     assert "(train/loss)" in seen["metrics"]
     assert "prompts.json" in seen["artifacts"]

@@ -145,7 +145,12 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(first_run):
     assert "extract/layer_stats.png" in {
         a.path for a in client.list_artifacts(run.info.run_id, "extract")
     }
-    assert "draft checkpoint:" in run.data.tags["mlflow.note.content"]
+    note = run.data.tags["mlflow.note.content"]
+    assert "draft checkpoint:" in note
+    # ... followed by the run's figures as images MLflow serves (its page shows them at once).
+    address = f"get-artifact?path=extract%2Flayer_stats.png&run_uuid={run.info.run_id}"
+    image = f"![extract/layer_stats.png]({address})"
+    assert image in note.split("```")[-1]
     # The training data is the run's dataset input, with the rows prepare kept.
     (found,) = run.inputs.dataset_inputs
     tags = {t.key: t.value for t in found.tags}

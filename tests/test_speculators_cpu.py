@@ -15,7 +15,7 @@ def _logits(seed: int, scale: float = 6.0) -> torch.Tensor:
     return (torch.randn(1, 64, 512, generator=g) * scale).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["kl_div", "lk_hybrid"])
+@pytest.mark.parametrize("name", ["kl_div", "lk_hybrid", "ce"])
 def test_the_loss_and_its_gradient_are_speculators_own(name):
     from speculators.losses import resolve_loss_config
 
@@ -30,7 +30,7 @@ def test_the_loss_and_its_gradient_are_speculators_own(name):
     with cpu_kernels():
         ((mine_fn, _),) = resolve_loss_config(name, "eager").values()
         mine = loss_and_grad(mine_fn)
-    assert mine_fn is not theirs_fn or name == "lk_hybrid"
+    assert (mine_fn is not theirs_fn) == (name == "kl_div")
     torch.testing.assert_close(mine[0], theirs[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mine[1], theirs[1], rtol=0, atol=1e-3)  # bf16 gradients
 
@@ -52,9 +52,9 @@ def test_speculators_is_restored_on_exit_even_after_an_error():
     import speculators.models.eagle3.core as core
     import speculators.models.eagle3.metrics as metrics
 
-    before = (core.torch, metrics.torch, eager.kl_div_loss)
+    before = (core.torch, metrics.torch, eager.torch, eager.kl_div_loss)
     with pytest.raises(RuntimeError), cpu_kernels():
-        assert core.torch is not torch
+        assert core.torch is not torch and eager.torch is not torch
         raise RuntimeError("a failed step")
-    assert (core.torch, metrics.torch, eager.kl_div_loss) == before
+    assert (core.torch, metrics.torch, eager.torch, eager.kl_div_loss) == before
     assert core.torch is torch

@@ -98,7 +98,7 @@ def test_one_parent_with_nine_children_and_the_table(sweep):
     # The plan as printed is among each run's artifacts.
     run = children[0]
     assert "plan.txt" in {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert f"sweep parent run {parent}" in stdout and "mlflow ui --backend-store-uri" in stdout
+    assert f"sweep parent run {parent}" in stdout and "eagle3-runner ui --output-root" in stdout
     # One plan for the sweep and a line per job (each job's summary is its run's description).
     assert stdout.count("==== eagle3 runner: plan ====") == 1
     jobs = [ln for ln in stdout.splitlines() if ln.startswith("[job ")]

@@ -7,6 +7,7 @@
     eagle3-runner transfer pack|unpack SRC OUT --target T
     eagle3-runner report [RUN_ID]                       a run's or a sweep's table
     eagle3-runner gc [--delete]                         what the store can give back
+    eagle3-runner ui [--port P]                         MLflow's UI on the store, on the results
     eagle3-runner --version                             the runner's and its engines' versions
 
 `python -m runner ...` is the same command; `python -m runner.commands.publish` and the other
@@ -30,6 +31,7 @@ SUBCOMMANDS = {
     "transfer": "runner.assets.transfer",
     "report": "runner.commands.report",
     "gc": "runner.commands.gc",
+    "ui": "runner.tracking.ui",
 }
 # Libraries whose versions decide what a run produces, as `--version` lists them.
 ENGINES = ("vllm", "speculators", "torch", "transformers", "hydra-core", "mlflow")

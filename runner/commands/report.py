@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run {tags.get('mlflow.runName', '')} ({run_id}, {run.info.status})")
         print(render_table(rows, width))
         note = tags.get("mlflow.note.content")
-        if note:
-            print(note.strip("`\n"))
+        if note:  # the summary's code block (the figures' images after it are for the UI)
+            print(note.removeprefix("```").split("```")[0].strip("\n"))
     return 0
 
 

@@ -252,7 +252,7 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         if not (failed or warned or cfg.run.smoke_test) and cfg.tracking.register_draft:
             _register(tracker, cfg, results, description)
         # The results head the run's page in the MLflow UI.
-        tracker.set_description("```\n" + description + "\n```")
+        tracker.set_description("```\n" + description + "\n```" + tracker.figures_markdown())
         if failed:
             _echo(summary)  # the figures that failed, before the run ends FAILED
             raise StageError("; ".join(failed))

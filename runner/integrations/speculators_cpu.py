@@ -8,14 +8,16 @@ A training step of the embedded default spends about a sixth of its time in two 
 torch's CPU build runs without vector instructions for the draft's bf16 logits:
 - `torch.argmax` over the draft vocab (about 7 ms for 512 x 8,192 bf16 values, against 1.5 ms
   for `torch.max(dim).indices`, which gives the same first index of the maximum): speculators
-  takes it 9 times a step, for the next TTT step's input ids and the accuracy metrics;
+  takes it 9 times a step, for the next TTT step's input ids and the accuracy metrics (and the
+  `ce` loss its labels);
 - `torch.xlogy` inside `kl_div(log_q, p)` (about 8 ms a call, three a step): the same
   divergence from the target's log-probabilities, `kl_div(log_q, log_p, log_target=True)`,
   costs one `exp` instead.
 
 Patched here, and restored on exit:
-- `speculators.models.eagle3.core.torch` and `speculators.models.eagle3.metrics.torch` (the
-  modules' name for torch): a view of torch whose `argmax` over a dimension is `max().indices`;
+- `speculators.models.eagle3.core.torch`, `speculators.models.eagle3.metrics.torch` and
+  `speculators.losses.eager.torch` (the modules' name for torch): a view of torch whose
+  `argmax` over a dimension is `max().indices`;
 - `speculators.losses.eager.kl_div_loss` (what `lk_hybrid` calls) and the eager loss table's
   `kl_div` entry (`speculators.losses.utils._EAGER_LOSS_FN_MAP`): `kl_div_from_log_probs`.
 Only the eager implementation is touched: the fused one needs Triton, so a GPU.
@@ -62,11 +64,11 @@ def cpu_kernels() -> Iterator[None]:
     import speculators.models.eagle3.metrics as metrics
 
     table = loss_utils._EAGER_LOSS_FN_MAP
-    saved = (core.torch, metrics.torch, eager.kl_div_loss, table["kl_div"])
+    saved = (core.torch, metrics.torch, eager.torch, eager.kl_div_loss, table["kl_div"])
     view = _TorchView()
-    core.torch = metrics.torch = view  # type: ignore[assignment]
+    core.torch = metrics.torch = eager.torch = view  # type: ignore[assignment]
     eager.kl_div_loss = table["kl_div"] = kl_div_from_log_probs
     try:
         yield
     finally:
-        core.torch, metrics.torch, eager.kl_div_loss, table["kl_div"] = saved
+        core.torch, metrics.torch, eager.torch, eager.kl_div_loss, table["kl_div"] = saved

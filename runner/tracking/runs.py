@@ -6,8 +6,8 @@ speculators' own MLflow logger (`--logger mlflow`) finds the active run and writ
 training metrics into it.
 
 Browse with the command `Tracker.ui_command()` returns, e.g.
-`mlflow ui --backend-store-uri sqlite:////abs/outputs/mlflow.db`, then the run's page it names,
-in MLflow's model-training view (the experiment is tagged as model development).
+`eagle3-runner ui --output-root /abs/outputs` (runner/tracking/ui.py: MLflow's server, opening
+experiments in its model-training view), then the run's page it names.
 """
 
 from __future__ import annotations
@@ -292,6 +292,7 @@ class Tracker:
         # start a run itself; the runner always has one active, but keep them consistent.
         os.environ["MLFLOW_EXPERIMENT_NAME"] = tracking_cfg.experiment
         self.run_id: str | None = None
+        self.figures: list[str] = []  # the figures logged, in order (figures_markdown)
         try:
             # Two first runs on a fresh root would both create and migrate the SQLite schema
             # (and could leave it half-migrated): one at a time.
@@ -459,8 +460,20 @@ class Tracker:
         try:
             with self._writing(artifact_file):
                 self.mlflow.log_figure(figure, artifact_file)
+            self.figures.append(artifact_file)
         finally:
             plt.close(figure)
+
+    def figures_markdown(self) -> str:
+        """The logged figures as markdown images for the run's description, so that its page
+        shows them (the training loss among them) without a search through its ~130 charts;
+        MLflow's own artifact address, relative to the UI's page."""
+        from urllib.parse import quote
+
+        return "".join(
+            f"\n\n![{name}](get-artifact?path={quote(name, safe='')}&run_uuid={self.run_id})"
+            for name in self.figures
+        )
 
     def log_inputs(self, entries: list[Mapping[str, Any]]) -> None:
         """Datasets as MLflow run inputs (the run page's Datasets column): each entry's "name",
@@ -530,4 +543,10 @@ def ui_command(uri: str, experiment_id: str | None, run_id: str | None) -> str:
     page = f"#/experiments/{experiment_id}/runs/{run_id}?{UI_VIEW}"
     if uri.startswith(("http://", "https://")):
         return f"open {uri.rstrip('/')}/{page}"
-    return f"mlflow ui --backend-store-uri {uri}, then open http://127.0.0.1:5000/{page}"
+    db = Path(uri.removeprefix("sqlite:///"))
+    store = (
+        f"--output-root {db.parent}"
+        if uri.startswith("sqlite:///") and db.name == RunLayout(db.parent).mlflow_db.name
+        else f"--tracking-uri {uri}"
+    )
+    return f"eagle3-runner ui {store}, then open http://127.0.0.1:5000/{page}"

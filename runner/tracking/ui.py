@@ -1,0 +1,102 @@
+"""MLflow's UI on the runner's store, opening on the results: `eagle3-runner ui`.
+
+    eagle3-runner ui [--output-root DIR | --tracking-uri URI] [--host H] [--port P]
+
+MLflow 3 opens an experiment in its GenAI view (traces, "Detect Issues") unless the browser has
+chosen "Model training" once: the UI keeps that choice in the browser's localStorage
+(`mlflow.workflowType_v1`), and the server has no setting for it. This command runs MLflow's own
+server (`mlflow server`) with MLflow's extension point for server apps (`--app-name`, the
+`mlflow.app` entry point of pyproject.toml): `create_app` is MLflow's app with one hook that
+adds to its page a line of script choosing "Model training" for a browser that has not chosen
+a view yet. A user's own choice stays theirs; nothing else of MLflow changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# The name of the entry point in pyproject.toml's [project.entry-points."mlflow.app"].
+APP_NAME = "eagle3-runner"
+# MLflow's key for the browser's chosen view, and the value of its model-training view
+# (mlflow/server/js: useLocalStorage({key: "mlflow.workflowType", version: 1}), JSON values).
+VIEW_KEY = "mlflow.workflowType_v1"
+VIEW_VALUE = "machine_learning"
+SCRIPT = (
+    f'<script>try{{if(localStorage.getItem("{VIEW_KEY}")===null)'
+    f'localStorage.setItem("{VIEW_KEY}",JSON.stringify("{VIEW_VALUE}"))}}catch(e){{}}</script>'
+)
+
+
+def model_training_first(response: Any) -> Any:
+    """Flask after-request hook: MLflow's page (index.html) with SCRIPT in its head."""
+    if response.mimetype != "text/html" or response.status_code != 200:
+        return response
+    # MLflow sends the page as a file (send_from_directory): read it through to edit it.
+    response.direct_passthrough = False
+    page = response.get_data(as_text=True)
+    if "</head>" in page and VIEW_KEY not in page:
+        response.set_data(page.replace("</head>", SCRIPT + "</head>", 1))
+    return response
+
+
+def create_app() -> Any:
+    """MLflow's server app (FastAPI around its Flask app), the Flask app hooked: what
+    `mlflow server --app-name eagle3-runner` serves."""
+    from mlflow.server import app as flask_app
+    from mlflow.server.fastapi_app import create_fastapi_app
+
+    if model_training_first not in flask_app.after_request_funcs.get(None, []):
+        flask_app.after_request(model_training_first)
+    return create_fastapi_app(flask_app)
+
+
+def server_command(uri: str, artifacts: Path | None, host: str, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "mlflow", "server", "--app-name", APP_NAME]
+    cmd += ["--backend-store-uri", uri, "--host", host, "--port", str(port)]
+    if artifacts is not None:
+        cmd += ["--default-artifact-root", str(artifacts)]
+    return cmd
+
+
+def main(argv: list[str] | None = None) -> int:
+    from runner.core.layout import RunLayout, default_root
+    from runner.tracking.runs import tracking_uri
+
+    ap = argparse.ArgumentParser(
+        prog="eagle3-runner ui",
+        description="MLflow's UI on the runner's store, opening experiments in Model training",
+    )
+    ap.add_argument(
+        "--output-root",
+        type=Path,
+        default=Path(default_root()),
+        metavar="DIR",
+        help="run.output_root (default: $EAGLE3_RUNNER_HOME, else ./outputs)",
+    )
+    ap.add_argument("--tracking-uri", default=None, help="tracking.uri of the runs, if set")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=5000)
+    args = ap.parse_args(argv)
+    layout = RunLayout(args.output_root.expanduser().resolve())
+    if args.tracking_uri is None and not layout.mlflow_db.is_file():
+        print(
+            f"no runs at {layout.root} (no {layout.mlflow_db.name}): pass --output-root, the "
+            "run.output_root the runs used",
+            file=sys.stderr,
+        )
+        return 2
+    uri = tracking_uri(args.tracking_uri, layout.root)
+    cmd = server_command(uri, layout.mlflow_artifacts, args.host, args.port)
+    print(f"MLflow UI at http://{args.host}:{args.port} (Ctrl-C stops it): {uri}", flush=True)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""`eagle3-runner ui` (runner/tracking/ui.py): MLflow's own server app, registered as an
+`mlflow.app` entry point, whose page chooses the model-training view for a browser that has
+chosen none, and leaves everything else of MLflow as it is."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from runner.tracking import ui
+
+
+def test_mlflow_finds_the_app_by_its_name():
+    apps = {e.name: e.value for e in importlib.metadata.entry_points(group="mlflow.app")}
+    assert apps.get(ui.APP_NAME) == "runner.tracking.ui:create_app"
+    from mlflow.server import _find_app, _is_factory
+
+    assert _is_factory(_find_app(ui.APP_NAME))  # what `mlflow server --app-name` runs
+
+
+@pytest.fixture(scope="module")
+def client():
+    from mlflow.server import app as flask_app
+
+    ui.create_app()
+    ui.create_app()  # a second call does not hook twice
+    assert flask_app.after_request_funcs[None].count(ui.model_training_first) == 1
+    return flask_app.test_client()
+
+
+def test_the_page_chooses_model_training_unless_the_browser_chose(client):
+    page = client.get("/").get_data(as_text=True)
+    assert page.count(ui.SCRIPT) == 1 and page.index(ui.SCRIPT) < page.index("</head>")
+    # Only where nothing is stored: a user's own choice stays.
+    assert 'localStorage.getItem("mlflow.workflowType_v1")===null' in ui.SCRIPT
+
+
+def test_everything_else_is_mlflows_own(client):
+    answer = client.get("/health")
+    assert answer.status_code == 200 and ui.SCRIPT not in answer.get_data(as_text=True)
+    api = client.get("/ajax-api/2.0/mlflow/experiments/search?max_results=1")
+    assert "<script>" not in api.get_data(as_text=True)
+
+
+def test_a_root_without_runs_is_refused_with_the_option_to_change(tmp_path, capsys):
+    assert ui.main(["--output-root", str(tmp_path)]) == 2
+    assert "--output-root" in capsys.readouterr().err
