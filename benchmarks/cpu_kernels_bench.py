@@ -2,13 +2,13 @@
 (runner/integrations/speculators_cpu.py) against speculators' own, measured in one run.
 
 Usage: EAGLE3_RUNNER_HOME=<root with a finished default run> \
-    python -m benchmarks.cpu_kernels_bench --steps 40 --rounds 2 [--total-seq-len 1024]
+    python -m benchmarks.cpu_kernels_bench --steps 40 --rounds 2 [--key KEY] [--total-seq-len 1024]
 
-Each arm is a fresh process that trains `--steps` steps of the root's newest train artifact's
-settings (its prepared rows, hidden states and vocab) through the runner's CPU adapter, with or
-without the kernels, the arms alternating. Printed: the median forward, backward, optimizer and
-whole-step milliseconds of each arm (speculators' own profile, the first 5 steps skipped), and
-the ratio of the step times.
+Each arm is a fresh process that trains `--steps` steps of a train artifact's settings (`--key`,
+else the root's newest: its prepared rows, hidden states and vocab) through the runner's CPU
+adapter, with or without the kernels, the arms alternating. Printed: the median forward,
+backward, optimizer and whole-step milliseconds of each arm (speculators' own profile, the first
+5 steps skipped), and the ratio of the step times.
 """
 
 from __future__ import annotations
@@ -25,23 +25,25 @@ from pathlib import Path
 PARTS = ("fwd", "bwd", "opt", "step")
 
 
-def newest_train_manifest(root: Path) -> dict:
+def train_manifest(root: Path, key: str | None) -> dict:
     manifests = sorted(
-        (root / "store" / "train").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime
+        (root / "store" / "train").glob(f"{key or '*'}/manifest.json"),
+        key=lambda p: p.stat().st_mtime,
     )
     if not manifests:
         sys.exit(f"no train artifact under {root}/store/train: run the default pipeline first")
     return json.loads(manifests[-1].read_text())
 
 
-def one_arm(kernels: bool, steps: int, total_seq_len: int | None, out: Path) -> None:
+def one_arm(kernels: bool, args: argparse.Namespace) -> None:
     import runner.integrations.speculators_cpu as cpu
     from runner.core.layout import default_root
     from runner.integrations.speculators import run_training
 
     if not kernels:
         cpu.cpu_kernels = nullcontext
-    manifest = newest_train_manifest(Path(default_root()).resolve())
+    steps, total_seq_len, out = args.steps, args.total_seq_len, args.out
+    manifest = train_manifest(Path(default_root()).resolve(), args.key)
     settings = dict(manifest["speculators_settings"])
     work = out.parent / f"work-{out.stem}"
     settings.update(
@@ -69,11 +71,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--total-seq-len", type=int, default=None)
+    ap.add_argument("--key", default=None, help="the train artifact (default: the newest)")
     ap.add_argument("--arm", choices=["on", "off"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.arm:
-        one_arm(args.arm == "on", args.steps, args.total_seq_len, args.out)
+        one_arm(args.arm == "on", args)
         return
     results: dict[str, list[dict]] = {"on": [], "off": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,8 +87,11 @@ def main() -> None:
                 cmd += ["--steps", str(args.steps), "--out", str(out)]
                 if args.total_seq_len:
                     cmd += ["--total-seq-len", str(args.total_seq_len)]
-                quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-                subprocess.run(cmd, check=True, **quiet)
+                if args.key:
+                    cmd += ["--key", args.key]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    sys.exit(f"the {arm} arm failed:\n{done.stderr[-3000:]}")
                 results[arm].append(json.loads(out.read_text()))
     print(f"{'arm':<28}" + "".join(f"{p + ' ms':>10}" for p in PARTS))
     means = {}
