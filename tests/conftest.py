@@ -54,6 +54,21 @@ def pytest_configure(config):
     torch.set_num_threads(len(mine))
 
 
+# The plan refuses hidden states or checkpoints that the output disk cannot hold. Tests see a
+# fixed 20 GiB free, so that a plan's verdict does not depend on the machine running them; a test
+# about disk sizes sets its own figure.
+PLANNED_FREE_BYTES = 20 * 2**30
+
+
+@pytest.fixture(autouse=True)
+def _fixed_free_disk_for_plans(monkeypatch):
+    import stages.extract
+    import stages.train.planning
+
+    for module in (stages.extract, stages.train.planning):
+        monkeypatch.setattr(module, "free_bytes", lambda _path: PLANNED_FREE_BYTES)
+
+
 def compose(overrides: list[str] | None = None):
     """The config `python -m runner <overrides>` would get, through Hydra's compose API."""
     GlobalHydra.instance().clear()

@@ -103,10 +103,17 @@ def test_the_estimates_come_within_a_quarter_of_the_h200_runs(tmp_path):
     assert not misses, misses
 
 
-def test_regeneration_is_costed_from_this_stores_own_run_or_said_to_be_left_out(tmp_path):
+def test_regeneration_is_costed_from_this_stores_own_run_or_said_to_be_left_out(
+    tmp_path, monkeypatch
+):
     """No shipped rate exists for regenerating on a GPU: the plan says the total leaves it out
     until a regeneration has finished on this hardware, then costs it from that run."""
+    import stages.extract
     from runner.core.store import ArtifactStore
+
+    # 17,528 conversations need ~39 GiB of hidden states: the disk check must not depend on
+    # the free space of the machine running the tests.
+    monkeypatch.setattr(stages.extract, "free_bytes", lambda _path: 1 * 2**40)
 
     over = [
         "hardware=gpu1",
