@@ -110,6 +110,8 @@ def test_draft_checkpoint_is_speculators_format(first_run):
     conf = json.loads((draft / "config.json").read_text())
     assert conf["speculators_model_type"] == "eagle3"
     assert conf["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+    # Where vLLM reads the count of layers its fc layer takes (runner/integrations/vllm.py).
+    assert conf["transformer_layer_config"]["num_aux_hidden_states"] == 3
     assert conf["draft_vocab_size"] == 512
     assert conf["eagle3_runner"]["capture_ids"] == [0, 2, 3, 4]
     weights = load_file(str(draft / "model.safetensors"))

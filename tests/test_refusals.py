@@ -649,8 +649,8 @@ def test_a_draft_made_for_another_target_is_refused_before_any_server_starts(
     tmp_path, tiny_model_dir
 ):
     """eval.draft read from its config.json and its weights' header: another hidden size, a
-    vocabulary mapping for another vocabulary and layer ids the target does not have are
-    named in one line, in the plan."""
+    vocabulary mapping for another vocabulary, layer ids the target does not have, and more
+    layers than vLLM would build the draft's fc layer for are named in one line, in the plan."""
     import json
 
     import torch
@@ -690,6 +690,17 @@ def test_a_draft_made_for_another_target_is_refused_before_any_server_starts(
     fits = draft("fits", hidden, vocab, [1, 2, 3])
     planned = _plan(tiny_model_dir, data, tmp_path / "out", stages, f"eval.draft={fits}")
     assert planned is not None
+    # Four layers read, and no count where vLLM reads it: vLLM would build an fc for three.
+    four = draft("four", hidden, vocab, [0, 1, 2, 3])
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", stages, f"eval.draft={four}")
+    assert err.key == "eval.draft" and '"num_aux_hidden_states": 4' in err.message, err.message
+    conf_file = four / "config.json"
+    conf_file.write_text(
+        conf_file.read_text().replace(
+            '{"hidden_size"', '{"num_aux_hidden_states": 4, "hidden_size"'
+        )
+    )
+    assert _plan(tiny_model_dir, data, tmp_path / "out", stages, f"eval.draft={four}") is not None
 
 
 # A template in the style of several real ones (Gemma's among them): no system role, and here

@@ -272,3 +272,39 @@ def ledger(facts: dict[str, Any] | None) -> list[tuple[str, bool | None]]:
         answer = facts.get(probe)
         found.append((name, None if answer is None else bool(good(answer))))
     return found
+
+
+# vLLM's EAGLE-3 Llama draft (vllm/model_executor/models/llama_eagle3.py, 0.32.0) sizes its fc
+# layer for `num_aux_hidden_states` of the draft's layer config, else the length of
+# `eagle_config.eagle_aux_hidden_state_layer_ids`, else 3. A speculators checkpoint names its
+# layers at the top level of config.json, which vLLM passes to the target but not to that count:
+# a draft of four captured layers then fails to load (`Tried to load weights of size [576, 2304]
+# to a parameter of size [576, 1728]`). The count, written where vLLM reads it, is what
+# speculators' own field says, so a vLLM that reads the field agrees.
+AUX_COUNT_KEY = "num_aux_hidden_states"
+
+
+def servable_draft_config(conf: dict[str, Any]) -> dict[str, Any]:
+    """A speculators EAGLE-3 config.json (a dict) with the number of auxiliary layers written
+    into its `transformer_layer_config`, where vLLM reads it."""
+    aux = conf.get("eagle_aux_hidden_state_layer_ids")
+    layer = conf.get("transformer_layer_config")
+    if aux and isinstance(layer, dict):
+        layer[AUX_COUNT_KEY] = len(aux)
+    return conf
+
+
+def aux_count_problem(conf: dict[str, Any]) -> str | None:
+    """Why vLLM would build this draft's fc layer for another number of auxiliary layers than
+    its weights hold (None: it would not)."""
+    aux = conf.get("eagle_aux_hidden_state_layer_ids") or []
+    layer = conf.get("transformer_layer_config") or {}
+    eagle = layer.get("eagle_config") or {}
+    said = layer.get(AUX_COUNT_KEY) or len(eagle.get("eagle_aux_hidden_state_layer_ids") or []) or 3
+    if not aux or said == len(aux):
+        return None
+    return (
+        f"it reads {len(aux)} target layers (eagle_aux_hidden_state_layer_ids) but vLLM builds "
+        f'its fc layer for {said}: add "{AUX_COUNT_KEY}": {len(aux)} to the '
+        "transformer_layer_config of its config.json"
+    )

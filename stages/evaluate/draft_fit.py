@@ -14,12 +14,14 @@ from typing import Any
 
 from runner.assets.target_layout import TargetLayout
 from runner.assets.weights import header
+from runner.integrations.vllm import aux_count_problem
 
 
 def misfits(draft: Path, layout: TargetLayout) -> list[str]:
     """What in `draft` does not fit the target: its hidden size, its vocabulary mapping (t2d
     spans the target's vocabulary, d2t the draft's), its embedding, and the layers it reads
-    (eagle_aux_hidden_state_layer_ids must be layers of the target)."""
+    (eagle_aux_hidden_state_layer_ids must be layers of the target, and as many as vLLM will
+    build its fc layer for)."""
     try:
         conf: dict[str, Any] = json.loads((draft / "config.json").read_text())
         shapes = {
@@ -51,4 +53,7 @@ def misfits(draft: Path, layout: TargetLayout) -> list[str]:
             f"it reads layer ids {outside} (eagle_aux_hidden_state_layer_ids), outside the "
             f"target's {n} layers"
         )
+    fc = aux_count_problem(conf)
+    if fc:
+        out.append(fc)
     return out

@@ -20,6 +20,7 @@ from runner.integrations.speculators import (
     fix_recorded_versions,
     validate_export,
 )
+from runner.integrations.vllm import servable_draft_config
 from stages.train.draft_check import Expected, check_draft
 
 log = logging.getLogger("runner")
@@ -110,7 +111,8 @@ def publish_draft(ckpt: Path, draft: Path, ctx: StageContext) -> Path:
         "target_hub_id": hub,
         "target_local_path": ctx.facts.path,
     }
-    conf_path.write_text(json.dumps(conf, indent=2))
+    # vLLM sizes the draft's fc layer from a count speculators does not write (3 if absent).
+    conf_path.write_text(json.dumps(servable_draft_config(conf), indent=2))
     for f in draft.iterdir():
         if f.is_file():
             f.chmod(0o644)  # safetensors and speculators write 0600: a draft is shared
