@@ -375,8 +375,10 @@ class VllmServer(_ServerApi):
             time.sleep(0.5)
         code = self._proc.exited()
         if code is not None:
+            cause = first_error(self.log_path)
             raise ServerError(
-                f"vLLM ({self.label}) exited with code {code}; {self._proc.tail_text()}"
+                f"vLLM ({self.label}) exited with code {code}"
+                f"{': ' + cause if cause else ''}; {self._proc.tail_text()}"
             )
 
     def compile_cache(self) -> str | None:
@@ -498,3 +500,22 @@ def counters_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, A
     )
     out["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prev, strict=True)]
     return out
+
+
+# An exception line of a Python traceback, as vLLM's processes print it (with or without the
+# runner's prefix): "AssertionError: ...", "torch.OutOfMemoryError: ...".
+_ERROR_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_][\w.]*)?(?:Error|Exception): .+)$")
+
+
+def first_error(log_path: Path) -> str | None:
+    """The first exception line in a server's log: the root cause, where vLLM's engine prints
+    its own tracebacks after it and the log's tail holds only the last of them."""
+    try:
+        with open(log_path, errors="replace") as fh:
+            for line in fh:
+                found = _ERROR_LINE.search(line.rstrip("\n"))
+                if found:
+                    return found.group(1)[:300]
+    except OSError:
+        return None
+    return None
