@@ -85,13 +85,18 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         del t["sliding_window"], t["full_attention_layers"]
     # The draft vocab moved to the vocab section; the key reads it where it always stood.
     t["draft_vocab_size"] = cfg.vocab.draft_vocab_size
-    return {
+    key = {
         **{k: v for k, v in t.items() if k not in _NOT_IN_KEY},
         "aux_layers": list(facts.aux_layers),
         "device": cfg.hardware.device,
         # Every rank of every node: the batches each sees depend on the world size.
         "ranks": cfg.train_ranks() * cfg.hardware.num_nodes,
     }
+    if len(facts.aux_layers) != 3:
+        # Drafts of other than three layers exported before their config told vLLM the count
+        # (runner/integrations/vllm.py, servable_draft_config) do not load in vLLM: trained anew.
+        key["served_aux_count"] = True
+    return key
 
 
 def _read_json(path: Path, default: Any) -> Any:
