@@ -19,6 +19,9 @@ KIMI_300K = [
     "data.max_seq_len=4096",
     "extract=vllm",
     "extract.storage=fp8",
+    # A size to cost: the packaged ShareGPT holds 17,528 conversations, so 300k leaves none held
+    # out (which the plan refuses); a box that trains this reads a larger dataset.
+    "eval.prompts=[mtbench,humaneval]",
     "run.plan_only=true",
 ]
 
@@ -120,6 +123,7 @@ def test_regeneration_is_costed_from_this_stores_own_run_or_said_to_be_left_out(
         "hardware.gpu_kind=H200",
         "regenerate=vllm",
         "data.num_samples=17528",
+        "eval.prompts=[mtbench,humaneval]",  # every conversation: none is left to hold out
         "run.plan_only=true",
         f"run.output_root={tmp_path}",
     ]

@@ -320,6 +320,15 @@ def test_the_filesystem_of_the_output_root_is_read_from_the_mounts(tmp_path):
     assert "ext4" in LOCAL_FILESYSTEMS and "nfs4" not in LOCAL_FILESYSTEMS
 
 
+# A size to cost: the packaged ShareGPT holds 17,528 conversations, so 300k leaves none held out
+# (which the plan refuses); a box that trains this reads a larger dataset.
+KIMI_300K_ROWS = [
+    "data.num_samples=300000",
+    "data.max_seq_len=4096",
+    "eval.prompts=[mtbench,humaneval]",
+]
+
+
 @pytest.mark.parametrize(
     "free_tib,storage,key",
     [(40, "bf16", "extract.storage"), (40, "fp8", None), (10, "fp8", "data.num_samples")],
@@ -330,7 +339,7 @@ def test_kimi_at_300k_samples_plans_terabytes_and_refuses_what_the_disk_cannot_h
     import stages.extract
 
     monkeypatch.setattr(stages.extract, "free_bytes", lambda _path: free_tib * 2**40)
-    over = ["data.num_samples=300000", "data.max_seq_len=4096", f"extract.storage={storage}"]
+    over = [*KIMI_300K_ROWS, f"extract.storage={storage}"]
     if key is None:
         p = plan(tmp_path, *over).plan
         assert not p.errors
@@ -349,7 +358,7 @@ def test_kimi_at_300k_samples_plans_terabytes_and_refuses_what_the_disk_cannot_h
 
 
 def test_kimi_online_plans_no_disk_and_splits_gpus_or_uses_an_endpoint(tmp_path):
-    over = ["data.num_samples=300000", "data.max_seq_len=4096", "extract=online"]
+    over = [*KIMI_300K_ROWS, "extract=online"]
     # Half the box serves (TP 4 fits INT4 Kimi only with a weights figure that says so), half
     # trains: the plan names both sets.
     p = plan(tmp_path, *over, "hardware.tensor_parallel_size=4", "model.weights_gib=300").plan
@@ -364,7 +373,7 @@ def test_kimi_offline_plan_shows_the_write_bandwidth_it_needs(tmp_path, monkeypa
     import stages.extract
 
     monkeypatch.setattr(stages.extract, "free_bytes", lambda _path: 40 * 2**40)
-    over = ["data.num_samples=300000", "data.max_seq_len=4096", "extract.storage=fp8"]
+    over = [*KIMI_300K_ROWS, "extract.storage=fp8"]
     p = plan(tmp_path, *over).plan
     # blackwell8's planned 10,000 tokens/s x 28,684 bytes/token.
     assert p.numbers["write_bytes_per_s"] == 10_000 * (4 * 7168 + 12)

@@ -31,13 +31,13 @@ def _chats(path: Path, n: int, tag: str = "") -> Path:
     return path
 
 
-def _plan(model_dir: Path, data: Path, root: Path, *extra: str):
-    return run_job(compose(tiny(model_dir, data, root, "run.plan_only=true", *extra)))
+def _plan(model_dir: Path, data: Path, root: Path, *extra: str, **kw):
+    return run_job(compose(tiny(model_dir, data, root, "run.plan_only=true", *extra, **kw)))
 
 
-def _refusal(model_dir: Path, data: Path, root: Path, *extra: str) -> ConfigError:
+def _refusal(model_dir: Path, data: Path, root: Path, *extra: str, **kw) -> ConfigError:
     with pytest.raises(ConfigError) as info:
-        _plan(model_dir, data, root, *extra)
+        _plan(model_dir, data, root, *extra, **kw)
     return info.value
 
 
@@ -747,3 +747,42 @@ def test_a_chat_template_that_refuses_the_datas_turns_is_named(tmp_path, tiny_mo
         info.value.message
     )
     assert not list((tmp_path / "out2" / "store").glob("prepare/*/manifest.json"))
+
+
+EVERY_STAGE = "run.stages=[prepare,extract,vocab,train,evaluate]"
+
+
+def test_a_heldout_set_that_training_reads_up_is_refused_in_the_plan(tmp_path, tiny_model_dir):
+    # The default eval.prompts hold `heldout`: conversations training never reads. Asking for
+    # every conversation of the file leaves none, which the plan knows from the file alone.
+    data = _chats(tmp_path / "c.jsonl", 12)
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", EVERY_STAGE, samples=12)
+    assert err.key == "eval.prompts", err.message
+    assert "reads all 12 usable conversations" in err.message
+    assert "data.num_samples to at most 0" in err.message  # 12 less eval.num_prompts=80
+    assert "eval.prompts=[mtbench,humaneval]" in err.message
+    # Without the held-out set the same plan passes; with room for fewer than asked it warns.
+    _plan(tiny_model_dir, data, tmp_path / "out", EVERY_STAGE, "eval.prompts=[mtbench]")
+    few = _plan(tiny_model_dir, data, tmp_path / "out", EVERY_STAGE, samples=10).plan.render()
+    assert "WARNING  eval.prompts: heldout: data.num_samples=10 leaves 2 of" in few
+
+
+def test_a_source_that_prepare_reads_up_fails_the_run_before_extraction(tmp_path, tiny_model_dir):
+    # Two answers too short to train on: the plan sees 12 conversations for 11 rows (one to hold
+    # out, a warning), and only prepare learns that it must read all 12 to find 10 rows. The run
+    # then fails at once, not after training, and keeps prepare's result for the next run.
+    data = _chats(tmp_path / "c.jsonl", 10)
+    with open(data, "a") as fh:
+        for i in range(2):
+            short = [
+                {"role": "user", "content": f"Say ok ({i})"},
+                {"role": "assistant", "content": "ok"},
+            ]
+            fh.write(json.dumps({"messages": short}) + "\n")
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError) as info:
+        run_job(compose(tiny(tiny_model_dir, data, out, EVERY_STAGE, samples=11)))
+    assert info.value.key == "eval.prompts", info.value.message
+    assert "found 10 of the 11 rows asked" in info.value.message
+    assert list((out / "store" / "prepare").iterdir())
+    assert not (out / "store" / "extract").exists()

@@ -511,3 +511,23 @@ def inspect_local(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any] | Non
         }
     _save_cache(cache_dir, cache)
     return {**seen[key], "sha256": entry["sha256"]}
+
+
+def usable_count(data_cfg: DataConfig, cache_dir: Path) -> int | None:
+    """How many usable conversations a packaged or local source holds (None for a hub dataset,
+    whose size only prepare learns): read once and remembered per content, so that a plan can
+    say in seconds what data.num_samples leaves unread."""
+    if local_path(data_cfg.source) is not None:
+        seen = inspect_local(data_cfg, cache_dir)
+        return None if seen is None else int(seen["usable"])
+    files, _ = _source_files(data_cfg)
+    if not files:
+        return None
+    content = data_fingerprint(data_cfg, cache_dir)
+    key = json.dumps([content, data_cfg.column, data_cfg.on_bad_row, data_cfg.multimodal])
+    cache = _load_cache(cache_dir)
+    counts = cache.setdefault("usable_counts", {})
+    if key not in counts:
+        counts[key] = len(read_conversations(data_cfg).turns)
+        _save_cache(cache_dir, cache)
+    return int(counts[key])

@@ -222,6 +222,10 @@ class Stage:
     # (plan, view) -> adds this stage's lines and problems to the preflight plan; bytes it will
     # write go to plan.numbers["disk_need.<name>"].
     plan: Callable[[Plan, PlanView], None] | None = None
+    # (cfg, name, artifact) -> raises ConfigError when an earlier stage's artifact, just ready,
+    # shows that this stage cannot work: what no config file says (e.g. how many conversations
+    # prepare read) still fails the run before the stages in between (training) spend hours.
+    upstream_check: Callable[[RunnerConfig, str, Artifact], None] | None = None
     # --- report: MLflow, the summary, the sweep comparison --------------------------------------
     # Files or folders of the artifact (relative path -> MLflow folder) copied to the run.
     logged: Mapping[str, str] = field(default_factory=dict)

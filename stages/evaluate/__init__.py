@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from runner.assets.chat import cache_dir
 from runner.assets.prompts import shown, user_turns
 from runner.assets.sources import load_prompt_sets
 from runner.assets.target_facts import ModelFacts, target_context, weight_bytes
@@ -39,7 +40,7 @@ from runner.integrations.versions import VLLM_DISTS, versions
 from runner.serving.vllm_server import kv_capacity, shell_command
 from stages.evaluate import baseline
 from stages.evaluate.draft_fit import misfits
-from stages.evaluate.heldout import HELDOUT
+from stages.evaluate.heldout import HELDOUT, after_prepare, room_problem
 from stages.evaluate.measures import (
     acceptance,
     by_concurrency,
@@ -617,6 +618,8 @@ def plan(p: Plan, view: PlanView) -> None:
                 "not know",
             )
         check_prompt_room(p, cfg, view, load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts))
+        if room := room_problem(cfg, cache_dir(cfg)):
+            (p.error if room[0] == "error" else p.warn)("eval.prompts", room[1])
     except ConfigError as exc:
         p.error(exc.key, exc.message)
     context = cfg.model.max_context or target_context(view.target.config)
@@ -691,6 +694,7 @@ STAGE = Stage(
     plotted="acceptance_length",
     results=results,
     plan=plan,
+    upstream_check=after_prepare,
     gate=_gate,
     settings=EvalConfig,
     section="eval",

@@ -3,6 +3,8 @@ source that the draft never trained on, so that acceptance in distribution sits 
 and HumanEval's.
 
     prompts = heldout_prompts(cfg, n, used, fits)  # the last n conversations, as prompts
+    room_problem(cfg, cache)     # the plan: does data.num_samples leave any? (seconds)
+    after_prepare(cfg, name, art)  # once prepare is done: did it leave any? (before training)
 
 prepare (and regenerate) read the first source's conversations in one shuffled order (data.seed)
 from its start until they have their rows; the held-out ones are the last `n` of that order,
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from runner.assets.conversations import read_conversations
+from runner.assets.conversations import read_conversations, usable_count
 from runner.assets.mixing import sources
 from runner.assets.prompts import Prompt
-from runner.core.errors import StageError
+from runner.core.errors import ConfigError, StageError
 from runner.core.schema import RunnerConfig
 
 log = logging.getLogger("runner")
@@ -91,3 +95,63 @@ def heldout_prompts(
             too_long,
         )
     return prompts[::-1]
+
+
+def wanted(cfg: RunnerConfig) -> bool:
+    """The run serves the held-out set: named in eval.prompts, for a draft trained here."""
+    return HELDOUT in cfg.eval.prompts and not cfg.eval.draft
+
+
+def _leave_out(cfg: RunnerConfig) -> str:
+    rest = ",".join(s for s in cfg.eval.prompts if s != HELDOUT)
+    return f"or leave heldout out (eval.prompts=[{rest}])"
+
+
+def room_problem(cfg: RunnerConfig, cache: Path) -> tuple[str, str] | None:
+    """Before anything runs: ("error" or "warning", why) when data.num_samples leaves none, or
+    fewer than eval.num_prompts, of the first source's conversations unread. Known for a packaged
+    or local source; a hub dataset's size is learnt by prepare (after_prepare)."""
+    if not wanted(cfg):
+        return None
+    first = sources(cfg.data)[0]
+    total = usable_count(first.cfg, cache)
+    if total is None:
+        return None
+    spare = total - first.quota
+    most = max(total - cfg.eval.num_prompts, 0)
+    if spare <= 0:
+        return "error", (
+            f"heldout serves conversations training never read, but data.num_samples="
+            f"{first.quota} reads all {total:,} usable conversations of {first.name}; set "
+            f"data.num_samples to at most {most:,} ({total:,} less eval.num_prompts="
+            f"{cfg.eval.num_prompts}, and prepare reads on past every row it drops), "
+            + _leave_out(cfg)
+        )
+    if spare < cfg.eval.num_prompts:
+        return "warning", (
+            f"heldout: data.num_samples={first.quota} leaves {spare} of {first.name}'s {total:,} "
+            f"conversations unread, fewer than eval.num_prompts={cfg.eval.num_prompts} (and "
+            "fewer still after prepare reads on past the rows it drops)"
+        )
+    return None
+
+
+def after_prepare(cfg: RunnerConfig, name: str, art: Any) -> None:
+    """The evaluate stage's upstream check: once prepare is done, a first source that ran out
+    (fewer rows than asked: every conversation read) leaves nothing held out, so the run fails
+    now, not after training."""
+    if name != "prepare" or not wanted(cfg):
+        return
+    src = (art.manifest.get("sources") or [{}])[0]
+    rows, asked = src.get("rows"), src.get("asked")
+    if rows is None or asked is None or rows >= asked:
+        return
+    raise ConfigError(
+        "eval.prompts",
+        f"heldout serves conversations training never read, but prepare read every "
+        f"conversation of {src.get('name', 'the first source')} ({src.get('conversations_read')}"
+        f") and found {rows:,} of the {asked:,} rows asked, so none is left; set "
+        f"data.num_samples to at most {max(rows - cfg.eval.num_prompts, 0):,}, "
+        + _leave_out(cfg)
+        + " (this prepare result is kept for that run)",
+    )
