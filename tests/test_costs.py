@@ -145,3 +145,22 @@ def test_regeneration_is_costed_from_this_stores_own_run_or_said_to_be_left_out(
     # On other hardware that run says nothing.
     p = run_job(compose([*over, "hardware.name=other"])).plan
     assert "cost.regenerate.hours" not in p.numbers
+
+
+def test_choosing_the_epoch_costs_a_server_start_per_kept_epoch(tmp_path):
+    over = [
+        "hardware=gpu1",
+        "hardware.gpu_kind=H200",
+        "run.plan_only=true",
+        "eval.compare_target=false",
+    ]
+    plain = run_job(compose([*over, f"run.output_root={tmp_path}"])).plan
+    chosen = run_job(
+        compose(
+            [*over, "train.epochs=3", "train.keep_epoch_drafts=true", f"run.output_root={tmp_path}"]
+        )
+    ).plan
+    assert "1 server start(s)" in plain.render() and "4 server start(s)" in chosen.render()
+    start_s = 137  # the H200's row in runner/engine/rates.yaml
+    extra = (chosen.numbers["cost.evaluate.hours"] - plain.numbers["cost.evaluate.hours"]) * 3600
+    assert extra == pytest.approx(3 * start_s)

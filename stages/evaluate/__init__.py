@@ -484,8 +484,8 @@ def speed_repeats(cfg: RunnerConfig) -> int:
 
 
 def cost(view: PlanView) -> costs.Cost | None:
-    """The evaluation's wall time and GPU-hours: its servers' starts (the draft-served one, and
-    the target alone with eval.compare_target) plus the generation on warm servers, from
+    """The evaluation's wall time and GPU-hours: its servers' starts (the draft-served one, the
+    target alone with eval.compare_target, one per epoch with eval.choose_epoch) plus the generation on warm servers, from
     runner/rates.yaml; the same with more boxes (it runs on one)."""
     cfg = view.cfg
     found = costs.first_scaled(
@@ -497,7 +497,9 @@ def cost(view: PlanView) -> costs.Cost | None:
     if found is None:
         return None
     row, (gen, source, est) = found
-    servers = 1 + bool(cfg.eval.compare_target)
+    # Choosing the epoch serves each kept epoch's draft on its own server first; its few prompts
+    # cost little beside the start.
+    servers = 1 + bool(cfg.eval.compare_target) + (cfg.train.epochs if choosing_epoch(cfg) else 0)
     wall = servers * float(row["start_s"]) + gen
     return costs.Cost(
         "evaluation",
