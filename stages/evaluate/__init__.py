@@ -40,7 +40,7 @@ from runner.integrations.versions import VLLM_DISTS, versions
 from runner.serving.vllm_server import kv_capacity, shell_command
 from stages.evaluate import baseline
 from stages.evaluate.draft_fit import misfits
-from stages.evaluate.heldout import HELDOUT, after_prepare, room_problem
+from stages.evaluate.heldout import HELDOUT, after_prepare, plan_room
 from stages.evaluate.measures import (
     acceptance,
     by_concurrency,
@@ -621,8 +621,7 @@ def plan(p: Plan, view: PlanView) -> None:
                 "not know",
             )
         check_prompt_room(p, cfg, view, load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts))
-        if room := room_problem(cfg, cache_dir(cfg)):
-            (p.error if room[0] == "error" else p.warn)("eval.prompts", room[1])
+        plan_room(p, cfg, cache_dir(cfg))
     except ConfigError as exc:
         p.error(exc.key, exc.message)
     context = cfg.model.max_context or target_context(view.target.config)

@@ -3,7 +3,7 @@ source that the draft never trained on, so that acceptance in distribution sits 
 and HumanEval's.
 
     prompts = heldout_prompts(cfg, n, used, fits)  # the last n conversations, as prompts
-    room_problem(cfg, cache)     # the plan: does data.num_samples leave any? (seconds)
+    plan_room(plan, cfg, cache)  # the plan: does data.num_samples leave any? (seconds)
     after_prepare(cfg, name, art)  # once prepare is done: did it leave any? (before training)
 
 prepare (and regenerate) read the first source's conversations in one shuffled order (data.seed)
@@ -28,6 +28,7 @@ from runner.assets.mixing import sources
 from runner.assets.prompts import Prompt
 from runner.core.errors import ConfigError, StageError
 from runner.core.schema import RunnerConfig
+from runner.engine.stage import Plan
 
 log = logging.getLogger("runner")
 HELDOUT = "heldout"
@@ -107,33 +108,34 @@ def _leave_out(cfg: RunnerConfig) -> str:
     return f"or leave heldout out (eval.prompts=[{rest}])"
 
 
-def room_problem(cfg: RunnerConfig, cache: Path) -> tuple[str, str] | None:
-    """Before anything runs: ("error" or "warning", why) when data.num_samples leaves none, or
-    fewer than eval.num_prompts, of the first source's conversations unread. Known for a packaged
-    or local source; a hub dataset's size is learnt by prepare (after_prepare)."""
+def plan_room(p: Plan, cfg: RunnerConfig, cache: Path) -> None:
+    """Before anything runs: an error when data.num_samples leaves none of the first source's
+    conversations unread, a warning when it leaves fewer than eval.num_prompts. Known for a
+    packaged or local source; a hub dataset's size is learnt by prepare (after_prepare)."""
     if not wanted(cfg):
-        return None
+        return
     first = sources(cfg.data)[0]
     total = usable_count(first.cfg, cache)
     if total is None:
-        return None
+        return
     spare = total - first.quota
     most = max(total - cfg.eval.num_prompts, 0)
     if spare <= 0:
-        return "error", (
+        p.error(
+            "eval.prompts",
             f"heldout serves conversations training never read, but data.num_samples="
             f"{first.quota} reads all {total:,} usable conversations of {first.name}; set "
             f"data.num_samples to at most {most:,} ({total:,} less eval.num_prompts="
             f"{cfg.eval.num_prompts}, and prepare reads on past every row it drops), "
-            + _leave_out(cfg)
+            + _leave_out(cfg),
         )
-    if spare < cfg.eval.num_prompts:
-        return "warning", (
+    elif spare < cfg.eval.num_prompts:
+        p.warn(
+            "eval.prompts",
             f"heldout: data.num_samples={first.quota} leaves {spare} of {first.name}'s {total:,} "
             f"conversations unread, fewer than eval.num_prompts={cfg.eval.num_prompts} (and "
-            "fewer still after prepare reads on past the rows it drops)"
+            "fewer still after prepare reads on past the rows it drops)",
         )
-    return None
 
 
 def after_prepare(cfg: RunnerConfig, name: str, art: Any) -> None:
