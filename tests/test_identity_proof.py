@@ -89,3 +89,50 @@ def test_the_floor_names_each_set_at_or_below_it():
     assert len(found) == 1 and found[0].startswith("mtbench: acceptance length 1.020")
     assert "FLASHINFER_MLA" in found[0]
     assert not gate(metrics, None, ["mtbench", "humaneval"])
+
+
+def test_a_mismatch_served_again_alone_is_told_transient_or_reproduced():
+    """A proven mismatch's prompt served again alone on a fresh draft server: following the
+    target through the mismatch's position, it did not repeat (transient); the same token
+    there, reproduced; leaving the path earlier, still a mismatch with where it left."""
+    from stages.evaluate.measures import TRANSIENT, identity_counts, rechecked
+
+    target = [5, 6, 7, 8, 2]
+    d = {"position": 2, "draft_token": 9, "target_token": 7, "gap": 1.6, "verdict": MISMATCH}
+    d = {**d, "proof": "the target ... ranks the served token 2"}
+    once = rechecked(d, [5, 6, 7, 8, 2], target)
+    assert once["verdict"] == TRANSIENT and "not repeated" in once["proof"]
+    # Parting after the position (a near tie later) still followed the target through it.
+    assert rechecked(d, [5, 6, 7, 3], target)["verdict"] == TRANSIENT
+    again = rechecked(d, [5, 6, 9, 8], target)
+    assert again["verdict"] == MISMATCH and again["reproduced"] is True
+    earlier = rechecked(d, [5, 4, 7, 8], target)
+    assert earlier["verdict"] == MISMATCH and "position 1" in earlier["proof"]
+    # Stopping before the position is not following the target through it.
+    assert rechecked(d, [5, 6], target)["verdict"] == MISMATCH
+    counts = identity_counts({"mtbench": [once, again, None]})
+    assert counts["transient_mismatches"] == 1 and counts["mismatches"] == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fails", "warns"),
+    [
+        ([], 0, 1),  # the CPU default: a transient mismatch warns
+        (["eval.transient_mismatches=fail"], 1, 0),
+        (["hardware=gpu1"], 1, 0),  # on a GPU it fails the run
+        (["hardware=gpu1", "eval.transient_mismatches=warn"], 0, 1),
+        (["hardware=gpu1", "eval.gates=warn"], 0, 1),
+    ],
+)
+def test_a_transient_mismatch_fails_on_a_gpu_and_warns_on_a_cpu(overrides, fails, warns):
+    from stages.evaluate import STAGE
+    from tests.conftest import compose
+
+    cfg = compose(overrides)
+    metrics = {"transient_mismatches": 1, "acceptance_length_ci_high": 1.5}
+    failed, warned = STAGE.gate(metrics, cfg)
+    assert (len(failed), len(warned)) == (fails, warns)
+    assert all("served again alone" in g for g in failed + warned)
+    # A reproduced mismatch fails the run wherever it is served, unless gates warn.
+    failed, warned = STAGE.gate({**metrics, "mismatches": 1, "transient_mismatches": 0}, cfg)
+    assert len(failed) == (0 if "eval.gates=warn" in overrides else 1)

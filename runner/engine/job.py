@@ -248,7 +248,7 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         failed, warned = _gates(results, cfg)
         if warned:  # a research run's figures that would have failed it: publish asks first
             tracker.set_tags({"gate_warnings": "; ".join(warned)[:5000]})
-        summary, description = _summary(result, cfg, tracker, failed or warned, bool(failed))
+        summary, description = _summary(result, cfg, tracker, failed, warned)
         if not (failed or warned or cfg.run.smoke_test) and cfg.tracking.register_draft:
             _register(tracker, cfg, results, description)
         # The results head the run's page in the MLflow UI.
@@ -473,8 +473,9 @@ def _gates(results: Mapping[str, Any], cfg: RunnerConfig) -> tuple[list[str], li
     for r in results.values():
         if r.stage.gate is None:
             continue
-        problems, enforced = r.stage.gate(r.metrics, cfg)
-        (failed if enforced else warned).extend(problems)
+        fails, warns = r.stage.gate(r.metrics, cfg)
+        failed.extend(fails)
+        warned.extend(warns)
     return failed, warned
 
 
@@ -508,12 +509,12 @@ def _summary(
     result: JobResult,
     cfg: RunnerConfig,
     tracker: Tracker,
-    gated: list[str] | None = None,
-    enforced: bool = True,
+    failed: list[str] | None = None,
+    warned: list[str] | None = None,
 ) -> tuple[str, str]:
     """The end-of-run summary for the console (the stages, then what they found), and the run's
-    description in MLflow (what they found first: the page shows its first lines). `gated`: what
-    the stages' gates found, which fails the run (`enforced`) or is only a warning."""
+    description in MLflow (what they found first: the page shows its first lines). `failed`,
+    `warned`: what the stages' gates found that fails the run, and what only warns."""
     table = [
         f"  {r.name:<9} {r.status:<8} {r.seconds:7.1f} s  {r.path}" for r in result.results.values()
     ]
@@ -531,10 +532,11 @@ def _summary(
     if note:
         found.append(f"  {note}")
     head = f"==== eagle3 runner: done in {result.seconds:.1f} s ===="
-    if gated:
-        state = "RUN FAILED" if enforced else "GATES FAILED, ONLY AS WARNINGS (eval.gates=warn)"
+    if failed or warned:
+        state = "RUN FAILED" if failed else "GATES FAILED, ONLY AS WARNINGS"
         head = f"==== eagle3 runner: {state} after {result.seconds:.1f} s ===="
-        key[:0] = [f"  gate: {g}" for g in gated]
+        gates = [f"  gate: {g}" for g in failed or []]
+        key[:0] = gates + [f"  gate (warning): {g}" for g in warned or []]
     if cfg.run.smoke_test:
         key.insert(
             0,
@@ -542,7 +544,7 @@ def _summary(
             "figures are too small to judge a draft by",
         )
     trained = any(r.stage.objective for r in result.results.values()) and not cfg.run.smoke_test
-    trained = trained and not (gated and enforced)
+    trained = trained and not failed
     next_step = (
         f"  next: eagle3-runner publish OUT --run {result.run_id} (the draft as a hub-ready "
         "folder with its card)"

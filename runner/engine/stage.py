@@ -203,11 +203,11 @@ class Stage:
     # --- run ----------------------------------------------------------------------------------
     # Keep the scratch folder of a failed run, so the next run resumes from it.
     resumable: bool = False
-    # (metrics, cfg) -> (what fails the run, whether that fails it): checked once the stage's
-    # figures are logged and the summary shown. A failure makes the run FAILED (exit 1) with the
-    # reasons as its `failure` tag; not enforced (a research setting), the summary's first line
-    # says the gates were only warnings.
-    gate: Callable[[Mapping[str, Any], RunnerConfig], tuple[list[str], bool]] | None = None
+    # (metrics, cfg) -> (what fails the run, what only warns): checked once the stage's figures
+    # are logged and the summary shown. A failure makes the run FAILED (exit 1) with the reasons
+    # as its `failure` tag; a warning (a research setting, or a fault the run did not make)
+    # leaves it FINISHED, the summary's first line and the `gate_warnings` tag saying what.
+    gate: Callable[[Mapping[str, Any], RunnerConfig], tuple[list[str], list[str]]] | None = None
     # (cfg, planned item, store) -> what a node after the first does for this stage when the
     # job spans nodes (hardware.num_nodes > 1): join the leader's work and return when it ends.
     # None: the stage runs on the first node alone.

@@ -42,6 +42,7 @@ from stages.evaluate import baseline
 from stages.evaluate.draft_fit import misfits
 from stages.evaluate.heldout import HELDOUT, after_prepare, plan_room
 from stages.evaluate.measures import (
+    MISMATCH,
     acceptance,
     by_concurrency,
     crossover,
@@ -52,9 +53,11 @@ from stages.evaluate.measures import (
     prompt_cells,
     prompt_interval,
     proven,
+    rechecked,
     report_mismatches,
     speed_metrics,
     teacher_forced,
+    transient,
 )
 from stages.evaluate.prompt_sets import check_prompt_room, prompt_sets, prompt_sources
 from stages.evaluate.report import columns, figures, results, set_names, summary, tables
@@ -62,6 +65,7 @@ from stages.evaluate.serving import (
     draft_is_mla,
     gpu_memory_gib,
     random_draft,
+    serve_again,
     serve_sets,
     serve_together,
     server_args,
@@ -285,6 +289,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                             for r in levels
                         )
                     )
+        differs = _again(cfg, ctx.facts, draft, sets, differs, target, logs)
         metrics.update(identity_counts(differs))
         report_mismatches(differs)
     if e.baseline_draft and not existing:
@@ -665,9 +670,47 @@ def _plan_baseline(p: Plan, cfg: RunnerConfig, view: PlanView) -> None:
         )
 
 
-def _gate(metrics: Mapping[str, Any], cfg: RunnerConfig) -> tuple[list[str], bool]:
-    """The floor and the identity check (eval.acceptance_floor, eval.gates)."""
-    return gate(metrics, cfg.eval.acceptance_floor, set_names(cfg)), cfg.eval.gates == "fail"
+def _again(
+    cfg: RunnerConfig,
+    facts: ModelFacts,
+    draft: Path,
+    sets: dict[str, list[Any]],
+    differs: dict[str, list[dict[str, Any] | None]],
+    target: dict[str, dict],
+    logs: Path,
+) -> dict[str, list[dict[str, Any] | None]]:
+    """Each proven mismatch served again alone on a fresh draft server (serving.serve_again):
+    one that follows the target's path there is transient (measures.rechecked)."""
+    which = {
+        name: [i for i, d in enumerate(rows) if d is not None and d["verdict"] == MISMATCH]
+        for name, rows in differs.items()
+    }
+    which = {name: ix for name, ix in which.items() if ix}
+    if not which:
+        return differs
+    again = serve_again(cfg, facts, draft, sets, which, logs)
+    out = {name: list(rows) for name, rows in differs.items()}
+    for name, got in again.items():
+        for i, tokens in got.items():
+            out[name][i] = rechecked(out[name][i], tokens, target[name]["token_ids"][i])
+    return out
+
+
+def transient_gate(cfg: RunnerConfig) -> str:
+    """eval.transient_mismatches, or its default: fail on a GPU, warn on a CPU."""
+    if cfg.eval.transient_mismatches is not None:
+        return str(cfg.eval.transient_mismatches)
+    return "fail" if cfg.hardware.device == "cuda" else "warn"
+
+
+def _gate(metrics: Mapping[str, Any], cfg: RunnerConfig) -> tuple[list[str], list[str]]:
+    """What fails the run and what only warns: the floor and the identity check
+    (eval.acceptance_floor, eval.gates), and transient mismatches (eval.transient_mismatches)."""
+    failed = gate(metrics, cfg.eval.acceptance_floor, set_names(cfg))
+    once = transient(metrics)
+    if transient_gate(cfg) == "fail":
+        failed, once = failed + once, []
+    return (failed, once) if cfg.eval.gates == "fail" else ([], failed + once)
 
 
 STAGE = Stage(

@@ -546,6 +546,40 @@ def serve_sets(
     return server.start_s, out
 
 
+def serve_again(
+    cfg: RunnerConfig,
+    facts: ModelFacts,
+    draft: Path,
+    sets: dict[str, list[Prompt]],
+    which: dict[str, list[int]],
+    logs: Path,
+) -> dict[str, dict[int, list[int]]]:
+    """The prompts `which` (per set, their indices) served again with the draft on a fresh
+    server, one at a time: no other request shares a batch with them, no block of the first
+    pass is cached. Per set, prompt index -> generated token ids."""
+    n = sum(len(ix) for ix in which.values())
+    log.warning(
+        "[evaluate] serving the %d output(s) proven to leave the target's greedy path again, "
+        "alone on a fresh draft server (its log: logs/vllm_draft_again.log)",
+        n,
+    )
+    server = serve(
+        cfg,
+        facts.path,
+        server_args(cfg, draft),
+        logs / "vllm_draft_again.log",
+        label="evaluate:draft again",
+    )
+    out: dict[str, dict[int, list[int]]] = {}
+    with server, quiet_http_logs():
+        for name, ix in which.items():
+            outs = asyncio.run(
+                _generate_all(server, [sets[name][i] for i in ix], cfg, one_at_a_time=True)
+            )
+            out[name] = {i: list(o.choices[0].token_ids) for i, o in zip(ix, outs, strict=True)}
+    return out
+
+
 def halved(args: list[str]) -> list[str]:
     """Server flags with the memory they may take halved (--gpu-memory-utilization and
     --kv-cache-memory-bytes): two servers side by side on the same devices."""
