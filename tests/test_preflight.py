@@ -420,7 +420,7 @@ def test_the_extraction_servers_step_size_is_a_setting_that_holds_a_row(tmp_path
     args = server_args(cfg("extract.batch_tokens=65536"), Facts(), tmp_path)
     assert args[args.index("--max-num-batched-tokens") + 1] == "65536"
     short = server_args(cfg("extract.batch_tokens=100"), Facts(), tmp_path)
-    assert short[short.index("--max-num-batched-tokens") + 1] == "513"  # data.max_seq_len + 1
+    assert short[short.index("--max-num-batched-tokens") + 1] == "257"  # data.max_seq_len + 1
     assert "--max-num-batched-tokens" not in server_args(cfg(), Facts(), tmp_path)
     # On a GPU, unset: 16,384 (vLLM's own is one context, a few rows a step).
     gpu = server_args(cfg("hardware=gpu1"), Facts(), tmp_path)

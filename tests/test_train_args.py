@@ -46,7 +46,7 @@ def test_speculators_reads_the_runners_settings():
     assert cfg.draft.norm_before_fc is True and cfg.draft.norm_output is False
     assert settings["lr"] == 2e-4 and settings["epochs"] == 3
     assert settings["draft_vocab_size"] == 4096
-    assert settings["total_seq_len"] == 512  # null = data.max_seq_len
+    assert settings["total_seq_len"] == 256  # null = data.max_seq_len
     assert "hidden_states_backend" not in settings  # every extracted slot is this job's
     # The recorded command is the one `speculators train` would take.
     argv = command_line(settings)
