@@ -13,7 +13,7 @@ help:  ## List the targets
 setup:  ## Create .venv with everything the runner needs (first time only)
 	bash scripts/setup.sh
 
-run: setup  ## Run the default pipeline: SmolLM2 + ShareGPT on this CPU, no network (~24 min cold on 2 cores)
+run: setup  ## Run the default pipeline: SmolLM2 + ShareGPT on this CPU, no network (20 to 45 min cold on 2 cores)
 	$(PY) -m runner
 
 lint: setup  ## Lint and check formatting (ruff, configured in pyproject.toml)
