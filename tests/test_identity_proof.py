@@ -136,3 +136,80 @@ def test_a_transient_mismatch_fails_on_a_gpu_and_warns_on_a_cpu(overrides, fails
     # A reproduced mismatch fails the run wherever it is served, unless gates warn.
     failed, warned = STAGE.gate({**metrics, "mismatches": 1, "transient_mismatches": 0}, cfg)
     assert len(failed) == (0 if "eval.gates=warn" in overrides else 1)
+
+
+@pytest.fixture
+def chat_stand_in():
+    """A chat-completions endpoint that answers as vLLM does with `return_token_ids`: each
+    prompt's generated ids from `answers` (by the prompt's text); it records each request."""
+    state = {"answers": {}, "asked": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, answer):
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send({"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            text = body["messages"][-1]["content"]
+            state["asked"].append(text)
+            ids = state["answers"][text]
+            message = {"role": "assistant", "content": "x" * len(ids)}
+            choice = {"index": 0, "message": message, "finish_reason": "length", "token_ids": ids}
+            usage = {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3}
+            self._send(
+                {"id": "c", "object": "chat.completion", "created": 0, "model": "m"}
+                | {"choices": [choice], "usage": usage}
+            )
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_port}", state
+    httpd.shutdown()
+
+
+def test_each_proven_mismatch_is_served_again_and_only_those(chat_stand_in, tmp_path):
+    """The evaluation serves the prompts of proven mismatches again (and no other), one at a
+    time, and judges each against the target's own output: one that now follows the target
+    through its position is transient, one that takes the same token again stays a mismatch."""
+    from stages.evaluate import _again
+    from stages.evaluate.measures import TRANSIENT, identity_counts
+    from tests.conftest import compose
+
+    endpoint, state = chat_stand_in
+    cfg = compose([f"hardware.vllm.endpoint={endpoint}"])
+    sets = {"mtbench": ["a", "b", "c"], "humaneval": ["d"]}
+    target = {"mtbench": {"token_ids": [[1, 2, 3], [4, 5, 6], [7, 8]]}}
+    target["humaneval"] = {"token_ids": [[9, 9, 9]]}
+    wrong = {"verdict": MISMATCH, "gap": 1.6, "proof": "ranked 2"}
+    differs = {
+        "mtbench": [
+            {**wrong, "position": 1, "draft_token": 7, "target_token": 2},
+            None,
+            {"verdict": NEAR_TIE, "position": 0, "gap": 0.25, "proof": "gap"},
+        ],
+        "humaneval": [{**wrong, "position": 2, "draft_token": 4, "target_token": 9}],
+    }
+    state["answers"] = {"a": [1, 2, 3], "d": [9, 9, 4]}
+    got = _again(cfg, SimpleNamespace(path="m"), tmp_path, sets, differs, target, tmp_path)
+    assert sorted(state["asked"]) == ["a", "d"]  # the mismatches' prompts only
+    assert got["mtbench"][0]["verdict"] == TRANSIENT
+    assert got["humaneval"][0]["verdict"] == MISMATCH and got["humaneval"][0]["reproduced"]
+    assert got["mtbench"][1] is None and got["mtbench"][2]["verdict"] == NEAR_TIE
+    assert differs["mtbench"][0]["verdict"] == MISMATCH  # the first verdicts are kept as given
+    counts = identity_counts(got)
+    assert (counts["mismatches"], counts["transient_mismatches"], counts["near_ties"]) == (1, 1, 1)
+    # Nothing proven: no server is asked.
+    state["asked"].clear()
+    assert _again(cfg, None, tmp_path, sets, {"mtbench": [None] * 3}, target, tmp_path)
+    assert state["asked"] == []
