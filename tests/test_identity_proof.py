@@ -16,6 +16,16 @@ from stages.evaluate.measures import KERNELS, MISMATCH, NEAR_TIE, gate, proven
 from stages.evaluate.serving import rescore
 
 
+def _reply(handler: BaseHTTPRequestHandler, answer: dict) -> None:
+    """Answer a stand-in endpoint's request with `answer` as JSON, as vLLM's server does."""
+    data = json.dumps(answer).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 @pytest.fixture
 def stand_in():
     """A completions endpoint that answers prompt logprobs as vLLM does, ranking at the last
@@ -32,12 +42,7 @@ def stand_in():
             }
             prompt = body["prompt"]
             answer = {"choices": [{"prompt_logprobs": [None] * (len(prompt) - 1) + [last]}]}
-            data = json.dumps(answer).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            _reply(self, answer)
 
         def log_message(self, *args):
             pass
@@ -145,16 +150,8 @@ def chat_stand_in():
     state = {"answers": {}, "asked": []}
 
     class Handler(BaseHTTPRequestHandler):
-        def _send(self, answer):
-            data = json.dumps(answer).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
         def do_GET(self):
-            self._send({"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
+            _reply(self, {"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -164,9 +161,10 @@ def chat_stand_in():
             message = {"role": "assistant", "content": "x" * len(ids)}
             choice = {"index": 0, "message": message, "finish_reason": "length", "token_ids": ids}
             usage = {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3}
-            self._send(
+            _reply(
+                self,
                 {"id": "c", "object": "chat.completion", "created": 0, "model": "m"}
-                | {"choices": [choice], "usage": usage}
+                | {"choices": [choice], "usage": usage},
             )
 
         def log_message(self, *args):
