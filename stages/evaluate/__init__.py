@@ -58,6 +58,7 @@ from stages.evaluate.measures import (
     speed_metrics,
     teacher_forced,
     transient,
+    with_verdict,
 )
 from stages.evaluate.prompt_sets import check_prompt_room, prompt_sets, prompt_sources
 from stages.evaluate.report import columns, figures, results, set_names, summary, tables
@@ -681,11 +682,9 @@ def _again(
 ) -> dict[str, list[dict[str, Any] | None]]:
     """Each proven mismatch served again alone on a fresh draft server (serving.serve_again):
     one that follows the target's path there is transient (measures.rechecked)."""
-    which = {
-        name: [i for i, d in enumerate(rows) if d is not None and d["verdict"] == MISMATCH]
-        for name, rows in differs.items()
-    }
-    which = {name: ix for name, ix in which.items() if ix}
+    which: dict[str, list[int]] = {}
+    for name, i, _ in with_verdict(differs, MISMATCH):
+        which.setdefault(name, []).append(i)
     if not which:
         return differs
     again = serve_again(cfg, facts, draft, sets, which, logs)

@@ -93,6 +93,28 @@ TRANSIENT = "transient"
 LOGPROB_ROUNDING = 1e-4
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (one stopping where the other goes on
+    counts), None when they are identical."""
+    if a == b:
+        return None
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def with_verdict(
+    differs: dict[str, list[dict[str, Any] | None]], verdict: str
+) -> list[tuple[str, int, dict[str, Any]]]:
+    """Every divergence of one verdict, as (set, prompt index, divergence), in set order."""
+    return [
+        (name, i, d)
+        for name, rows in differs.items()
+        for i, d in enumerate(rows)
+        if d is not None and d["verdict"] == verdict
+    ]
+
+
 def divergence(
     draft_ids: list[int],
     target_ids: list[int],
@@ -104,12 +126,9 @@ def divergence(
     target's likeliest (`target_top`, (id, logprob) per position, likeliest first) within
     `near_tie_gap` of the target's own choice (a stop where the target went on: its runner-up
     within the gap). None when the outputs are identical."""
-    if draft_ids == target_ids:
+    j = first_difference(draft_ids, target_ids)
+    if j is None:
         return None
-    j = next(
-        (i for i, (a, b) in enumerate(zip(draft_ids, target_ids, strict=False)) if a != b),
-        min(len(draft_ids), len(target_ids)),
-    )
     took = draft_ids[j] if j < len(draft_ids) else None
     row: dict[str, Any] = {"position": j, "draft_token": took}
     if j >= len(target_top) or len(target_top[j]) < 2:
@@ -267,9 +286,7 @@ def rechecked(d: dict[str, Any], again: list[int], target: list[int]) -> dict[st
     path, it did not repeat (TRANSIENT); the same token there, it is reproduced; leaving the
     target's path elsewhere, it stays a mismatch, with where it left said."""
     j = d["position"]
-    took = next((i for i, (a, b) in enumerate(zip(again, target, strict=False)) if a != b), None)
-    if took is None and len(again) != len(target) and min(len(again), len(target)) <= j:
-        took = min(len(again), len(target))  # one stopped where the other went on
+    took = first_difference(again, target)
     if took is None or took > j:
         return {
             **d,
@@ -304,25 +321,15 @@ def report_mismatches(differs: dict[str, list[dict[str, Any] | None]]) -> None:
     not bf16 noise: the identity check fails, naming the first such prompt (the figures are
     still published, with every divergence in identity.json and MLflow's evaluate/identity
     table, so that each can be looked at)."""
-    bad = [
-        (name, i, d)
-        for name, rows in differs.items()
-        for i, d in enumerate(rows)
-        if d is not None and d["verdict"] == MISMATCH
-    ]
-    near = sum(1 for rows in differs.values() for d in rows if d and d["verdict"] == NEAR_TIE)
+    bad = with_verdict(differs, MISMATCH)
+    near = len(with_verdict(differs, NEAR_TIE))
     if near:
         log.info(
             "[evaluate] %d output(s) leave the target's greedy path at a near tie "
             "(logprob gap <= eval.near_tie_gap): bf16 kernels of another batch shape",
             near,
         )
-    once = [
-        (name, i, d)
-        for name, rows in differs.items()
-        for i, d in enumerate(rows)
-        if d is not None and d["verdict"] == TRANSIENT
-    ]
+    once = with_verdict(differs, TRANSIENT)
     if once:
         name, i, d = once[0]
         log.warning(
