@@ -58,3 +58,30 @@ def test_speculators_is_restored_on_exit_even_after_an_error():
         raise RuntimeError("a failed step")
     assert (core.torch, metrics.torch, eager.torch, eager.kl_div_loss) == before
     assert core.torch is torch
+
+
+def test_muon_orthogonalises_in_the_runs_format_with_torchs_iteration():
+    """Without native bf16 the run trains in float32, Muon's Newton-Schulz products included:
+    the same iteration as torch's, in float32, and torch's own bf16 one is back on exit."""
+    import torch.optim._muon as muon
+
+    from runner.integrations.speculators_cpu import newton_schulz
+
+    g = torch.randn(96, 40, generator=torch.Generator().manual_seed(3))
+    coef = (muon.DEFAULT_A, muon.DEFAULT_B, muon.DEFAULT_C)
+    theirs = muon._zeropower_via_newtonschulz(g, coef, 5, 1e-7)
+    assert theirs.dtype == torch.bfloat16
+    mine = newton_schulz(g, coef, 5, 1e-7)
+    assert mine.dtype == torch.float32 and mine.shape == g.shape
+    torch.testing.assert_close(mine.bfloat16().float(), theirs.float(), rtol=0, atol=0.05)
+    base = muon._zeropower_via_newtonschulz
+    with cpu_kernels(torch.float32):
+        assert muon._zeropower_via_newtonschulz(g, coef, 5, 1e-7).dtype == torch.float32
+        p = torch.nn.Parameter(torch.randn(8, 4))
+        p.grad = torch.randn(8, 4)
+        before = p.detach().clone()
+        torch.optim.Muon([p], lr=0.1).step()  # torch's optimizer, through the float32 iteration
+        assert p.dtype == torch.float32 and not torch.equal(p.detach(), before)
+    with cpu_kernels():  # a bf16 run keeps torch's own
+        assert muon._zeropower_via_newtonschulz is base
+    assert muon._zeropower_via_newtonschulz is base

@@ -39,6 +39,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from runner.core.environment import check_env
 from runner.core.errors import ConfigError
 from runner.core.layer_ids import CAPTURE_PRESETS
+from runner.core.number_format import choose_dtype
 
 # Bytes per value of each dtype the target may run (and hidden states may be stored) in.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -53,6 +54,9 @@ class Device(StrEnum):
 
 
 class Dtype(StrEnum):
+    # bfloat16 where the machine multiplies it natively (a GPU; a CPU with AMX, AVX-512 BF16 or
+    # Arm's BF16), else float32 (runner/core/number_format.py); resolved when the config is typed.
+    auto = "auto"
     bfloat16 = "bfloat16"
     float16 = "float16"
     float32 = "float32"
@@ -359,7 +363,9 @@ class HardwareConfig:
     device: Device = Device.cpu
     num_gpus: int = 0
     tensor_parallel_size: int = 1
-    # Dtype of the target's forward pass and of the hidden states written to disk.
+    # Dtype of every stage's arithmetic: the target's forward pass, the hidden states written to
+    # disk, training (the optimizer's orthogonalisation included) and serving. auto = this
+    # machine's own (runner/core/number_format.py); typed configs hold the resolved value.
     dtype: Dtype = Dtype.bfloat16
     # torch intra-op threads on CPU (null = torch's default).
     cpu_threads: int | None = None
@@ -813,6 +819,11 @@ class RunConfig:
     # A smoke test (preset=quick sets it): the summary and the MLflow run say that its figures
     # show the stages work, not how good a draft is.
     smoke_test: bool = False
+    # Minutes the pipeline may take on a CPU (conf/config.yaml: 20): the plan measures this
+    # machine's speed and lowers data.num_samples until its estimate fits (runner/engine/
+    # budget.py). data.num_samples, train.epochs or train.max_steps given on the command line are
+    # kept. null = off; GPU runs are not sized.
+    time_budget: float | None = None
 
     def check(self, known: tuple[str, ...]) -> None:
         for key, names in (("run.stages", self.stages), ("run.force", self.force)):
@@ -823,6 +834,8 @@ class RunConfig:
                 )
         if not self.stages:
             raise ConfigError("run.stages", "is empty; name at least one stage (or all)")
+        if self.time_budget is not None:
+            _above("run.time_budget", self.time_budget, 0)
 
 
 @dataclass
@@ -1028,7 +1041,15 @@ def typed(
     if isinstance(node, RunnerConfig):
         return node
     schema = schema or _REGISTERED[0]
-    return _moved(_typed(node, schema))
+    return _resolved(_moved(_typed(node, schema)))
+
+
+def _resolved(cfg: RunnerConfig) -> RunnerConfig:
+    """hardware.dtype: auto -> this machine's own format (runner/core/number_format.py), so that
+    every stage, key and figure sees the format it computes in."""
+    if cfg.hardware.dtype == Dtype.auto:
+        cfg.hardware.dtype = Dtype(choose_dtype(str(cfg.hardware.device)).dtype)
+    return cfg
 
 
 def _moved(cfg: RunnerConfig) -> RunnerConfig:

@@ -14,6 +14,7 @@ teacher-logit memory, ...), weights per GPU, parallelism and the environment tha
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from runner.assets.target_facts import Target, weight_bytes
 from runner.core.layer_ids import to_output_of
 from runner.core.layout import RunLayout
+from runner.core.number_format import describe
 from runner.core.schema import RunnerConfig
 from runner.core.store import ArtifactStore, fmt_bytes
 from runner.engine import costs
@@ -80,7 +82,10 @@ def _hardware_lines(plan: Plan, cfg: RunnerConfig, target: Target) -> None:
         "parallelism",
         f"device {hw.device}, {hw.num_gpus} GPU(s), TP {tp}, interconnect {hw.interconnect}",
     )
+    plan.add("number format", describe(str(hw.device), str(hw.dtype)))
     w = weight_bytes(target.layout, target.config, cfg.model.weights_gib)
+    if hw.dtype == "float32" and w.kind == "bf16":  # loaded in float32: twice the bytes
+        w = dataclasses.replace(w, bytes=w.bytes * 2, kind="float32")
     per_gpu = w.bytes / tp
     plan.numbers.update(weight_bytes=w.bytes, weight_bytes_per_gpu=per_gpu)
     of_gpu = f" of {hw.gpu_memory_gib:g} GiB" if hw.gpu_memory_gib else ""

@@ -37,6 +37,7 @@ import os
 import re
 import signal
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -179,7 +180,9 @@ def chain_requeue(state: TrainingState) -> None:
 
 
 @contextmanager
-def runner_training(state: TrainingState, device: str | None = None) -> Iterator[None]:
+def runner_training(
+    state: TrainingState, device: str | None = None, dtype: str | None = None
+) -> Iterator[None]:
     """Run speculators' trainer the way the runner needs, for one `cli.main` call:
 
     - on a machine without an accelerator: the trainer moves the model and batches to
@@ -189,7 +192,11 @@ def runner_training(state: TrainingState, device: str | None = None) -> Iterator
     - stops on SIGINT, SIGTERM or SIGUSR1 at the next step boundary, with a mid-epoch
       checkpoint that speculators resumes from (its own handler saves an "interrupted" one that
       it does not resume from), then raises StopRequested; all ranks agree on the boundary;
-    - records where training got to in `state`.
+    - records where training got to in `state`;
+    - in float32 (`dtype`, speculators' `hidden_states_dtype`; a CPU without native bf16): the
+      draft's weights in float32 (a reloaded checkpoint is bf16, and torch's autocast does not
+      cast to float32 on a CPU), and on a CPU Muon's orthogonalisation in float32 too
+      (`speculators_cpu.cpu_kernels`).
     """
     import speculators.train.checkpointer as checkpointer_mod
     import speculators.train.cli as cli  # speculators imports torch: seconds
@@ -207,6 +214,7 @@ def runner_training(state: TrainingState, device: str | None = None) -> Iterator
     # The configured device decides (a CPU config on a GPU machine trains on the CPU, as keyed);
     # None (benchmarks) = whatever this machine has.
     on_cpu = device == "cpu" if device is not None else not has_gpu
+    compute = getattr(torch, dtype) if dtype else torch.bfloat16
     base_trainer = trainer_mod.Trainer
     base_timer = trainer_mod._StepTimer
     base_setup_distributed = cli.maybe_setup_distributed
@@ -218,6 +226,8 @@ def runner_training(state: TrainingState, device: str | None = None) -> Iterator
                 # Runs after __init__ chose local_rank/device_type, before setup_model uses them.
                 self.local_rank = "cpu"
                 self.device_type = "cpu"
+            if compute == torch.float32:
+                self.model.float()
             super().setup_trainer()
             state.resumed_from_step = state.global_step = self.global_step
 
@@ -303,7 +313,10 @@ def runner_training(state: TrainingState, device: str | None = None) -> Iterator
         checkpointer_mod.get_current_device = lambda: "cpu"
     fix_fused_loss_for_torch_compile()
     try:
-        with cpu_kernels() if on_cpu else nullcontext():
+        with cpu_kernels(compute) if on_cpu else nullcontext(), warnings.catch_warnings():
+            # speculators autocasts to its hidden-states dtype; torch declines float32 on a
+            # CPU with a warning a step, and runs in float32 as asked.
+            warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
             yield
     finally:
         cli.Trainer = base_trainer
@@ -593,7 +606,7 @@ def run_training(
     status = "finished"
     with (
         capture_metrics(work / "metrics.jsonl" if rank0 else None) as capture,
-        runner_training(state, device),
+        runner_training(state, device, settings.get("hidden_states_dtype")),
     ):
         state.records = capture.records
         try:
@@ -649,7 +662,7 @@ def validate_export(
     s = {k: v for k, v in settings.items() if k not in drop}
     s.update(from_pretrained=str(view), save_path=str(work / "save"), log_dir=str(work / "logs"))
     state = TrainingState(validate_only=True)
-    with capture_metrics(None), runner_training(state, device):
+    with capture_metrics(None), runner_training(state, device, s.get("hidden_states_dtype")):
         speculators_train(resolve_train_config(s, slots))
     return dict(state.val_metrics or {})
 

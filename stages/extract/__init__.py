@@ -36,6 +36,7 @@ from runner.core.store import fmt_bytes, free_bytes
 from runner.engine import costs
 from runner.engine.checks import check_preset
 from runner.engine.costs import Cost
+from runner.engine.cpu_speed import cpu_rate
 from runner.engine.stage import EXTRACTION, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.integrations.versions import VLLM_DISTS, versions
 from runner.serving.server_pool import gpu_slices, server_count
@@ -82,6 +83,10 @@ def check_target(cfg: RunnerConfig, target: Target) -> None:
 def _step(cfg: RunnerConfig) -> str:
     step = cfg.extract_batch_tokens()
     return f", steps of up to {step:,} tokens (extract.batch_tokens)" if step else ""
+
+
+def _short(dtype: str) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(dtype), str(dtype))
 
 
 def bytes_per_token(slots: int, hidden: int, storage: str, dtype: str) -> int:
@@ -187,6 +192,9 @@ def plan(p: Plan, view: PlanView) -> None:
         p.add("transformers hooks", ", ".join(hooks))
     # Hidden states on disk: the prepared token count if prepare is cached, else an upper bound.
     storage, other = cfg.extract.storage, "bf16" if cfg.extract.storage == "fp8" else "fp8"
+    # "bf16" storage is the target's own dtype (hardware.dtype): float32 where the CPU has no
+    # native bf16. Named so in the plan.
+    shown = {s: s if s == "fp8" else _short(cfg.hardware.dtype) for s in (storage, other)}
     bpt = bytes_per_token(len(ext), facts.hidden_size, storage, cfg.hardware.dtype)
     bpt_other = bytes_per_token(len(ext), facts.hidden_size, other, cfg.hardware.dtype)
     prepared = view.cached_metrics("prepare")
@@ -212,8 +220,9 @@ def plan(p: Plan, view: PlanView) -> None:
     p.numbers["disk_need.extract"] = need  # named in a disk-full error, should it come
     p.add(
         "hidden states",
-        f"{storage}: {fmt_bytes(bpt)}/token x {tokens_est:,} tokens{bound} = {fmt_bytes(stored)} "
-        f"({other}: {fmt_bytes(bpt_other)}/token, {fmt_bytes(bpt_other * tokens_est)}; online: "
+        f"{shown[storage]}: {fmt_bytes(bpt)}/token x {tokens_est:,} tokens{bound} = "
+        f"{fmt_bytes(stored)} ({shown[other]}: {fmt_bytes(bpt_other)}/token, "
+        f"{fmt_bytes(bpt_other * tokens_est)}; online: "
         f"nothing stored); free at {view.output_root}: {fmt_bytes(free)}",
     )
     rate, source = _planned_rate(view)
@@ -355,6 +364,17 @@ def figures(metrics: Mapping[str, Any], _path: Path) -> dict[str, Any]:
     return {"extract/layer_stats.png": fig}
 
 
+def cpu_seconds(cfg: RunnerConfig, work: Any) -> float:
+    """The target's forward pass over every prepared token on this CPU (online: nothing here,
+    the states are computed while training)."""
+    if online(cfg):
+        return 0.0
+    r = cpu_rate("extract")
+    flops = 2.0 * work.shape.forward_params * work.tokens
+    rate = work.speed.target_gflops * 1e9 * float(r.get("efficiency", 0.6))
+    return float(r.get("fixed_s", 0.0)) + flops / rate
+
+
 STAGE = Stage(
     name="extract",
     key_config=key_config,
@@ -366,6 +386,7 @@ STAGE = Stage(
     logged={"layer_stats.json": "extract", "servers.json": "extract", "logs": "extract/logs"},
     figures=figures,
     plan=plan,
+    cpu_seconds=cpu_seconds,
     check_target=check_target,
     # Online, the train stage starts (or uses) the server; this stage only records it.
     server=lambda cfg: (
