@@ -5,6 +5,7 @@ kernels'; any other rank proves a real mismatch, which fails the run (eval.gates
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -211,3 +212,77 @@ def test_each_proven_mismatch_is_served_again_and_only_those(chat_stand_in, tmp_
     state["asked"].clear()
     assert _again(cfg, None, tmp_path, sets, {"mtbench": [None] * 3}, target, tmp_path)
     assert state["asked"] == []
+
+
+@pytest.fixture
+def greedy_stand_in():
+    """A completions endpoint that answers prompt logprobs as vLLM does for a target whose
+    greedy choice after any prefix is (last token + 1) % 50, its runner-up (last + 2) % 50
+    0.3 below and the rest far below; it records each request."""
+    asked = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            asked.append(body)
+            prompt = body["prompt"]
+            rows = [None]
+            for prev, tok in itertools.pairwise(prompt):
+                ranked = [(prev + 1) % 50, (prev + 2) % 50, (prev + 3) % 50]
+                row = {
+                    str(t): {"logprob": [-0.1, -0.4, -3.0][r], "rank": r + 1}
+                    for r, t in enumerate(ranked[: body["prompt_logprobs"]])
+                }
+                if str(tok) not in row:  # vLLM lists the prompt's own token with its rank
+                    row[str(tok)] = {"logprob": -9.0, "rank": 40}
+                rows.append(row)
+            _reply(self, {"choices": [{"prompt_logprobs": rows, "text": "x"}]})
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    server = SimpleNamespace(
+        url=f"http://127.0.0.1:{httpd.server_port}/v1", model_id="m", check_alive=lambda: None
+    )
+    yield server, asked
+    httpd.shutdown()
+
+
+def test_the_prefill_identity_check_reads_each_output_once_and_finds_where_it_left(
+    greedy_stand_in,
+):
+    """eval.identity=prefill: one request per served output (prompt and output prefilled
+    together, max 1 new token, no cached prefix); an output on the target's greedy path is
+    identical, one that took the runner-up is a near tie, one that took a token the target ranks
+    40th is a proven mismatch at that position, with the same verdicts the generated check
+    gives."""
+    from runner.core.schema import typed
+    from stages.evaluate.measures import divergence
+    from stages.evaluate.serving import read_sets
+    from tests.conftest import compose
+
+    server, asked = greedy_stand_in
+    cfg = typed(compose([]))
+    prompt = [7, 3, 10]
+    on_path = [11, 12, 13, 14]
+    near = [11, 13, 14, 15]  # the runner-up at position 1, 0.3 below: a near tie
+    off = [11, 12, 30, 31]  # 30 at position 2, ranked 40th: a mismatch
+    spec = {"mtbench": {"prompt_ids": [prompt] * 3, "token_ids": [on_path, near, off]}}
+    got = read_sets(server, spec, cfg)["mtbench"]
+    assert len(asked) == 3
+    for body, served in zip(asked, [on_path, near, off], strict=True):
+        assert body["prompt"] == prompt + served and body["max_tokens"] == 1
+        assert body["prompt_logprobs"] >= 2 and body["cache_salt"]
+    assert got["token_ids"][0] == on_path  # its own picks along its own path
+    verdicts = [
+        proven(divergence(s, t, top, cfg.eval.near_tie_gap), got["rescored"].get(i))
+        for i, (s, t, top) in enumerate(
+            zip([on_path, near, off], got["token_ids"], got["likeliest"], strict=True)
+        )
+    ]
+    assert verdicts[0] is None
+    assert verdicts[1]["verdict"] == NEAR_TIE and verdicts[1]["position"] == 1
+    assert verdicts[2]["verdict"] == MISMATCH and verdicts[2]["position"] == 2
+    assert verdicts[2]["target_token"] == 13 and verdicts[2]["rescored_rank"] == 40

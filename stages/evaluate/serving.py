@@ -33,6 +33,7 @@ from runner.serving.vllm_server import (
     serve,
 )
 from stages.evaluate import speed_check
+from stages.evaluate.measures import first_difference
 
 log = logging.getLogger("runner")
 
@@ -426,12 +427,100 @@ def _rescored(
         d = divergence(mine, list(choice.token_ids), _likeliest(choice), cfg.eval.near_tie_gap)
         if d is None or d["verdict"] == NEAR_TIE or d["draft_token"] is None:
             continue
-        prompt_ids = getattr(o, "prompt_token_ids", None) or (o.model_extra or {}).get(
-            "prompt_token_ids"
-        )
+        prompt_ids = _prompt_ids(o)
         if prompt_ids:
             found[i] = rescore(server, list(prompt_ids), mine, d["position"], cfg.eval.timeout_s)
     return found
+
+
+def _prompt_ids(o: Any) -> list[int] | None:
+    """The prompt's token ids as the server rendered them (request field return_token_ids)."""
+    ids = getattr(o, "prompt_token_ids", None) or (o.model_extra or {}).get("prompt_token_ids")
+    return list(ids) if ids else None
+
+
+async def _read_all(
+    server: Server, prompt_ids: list[list[int]], served: list[list[int]], cfg: RunnerConfig
+) -> list[dict[str, Any]]:
+    """The target alone reading each served output: its prompt and every served token prefilled
+    in one forward with prompt_logprobs, no cached prefix. Per output, the target's likeliest
+    tokens at each served position ((id, logprob), likeliest first) and its own pick there: its
+    greedy choice given the served prefix, so the first position where the two differ is where
+    the served output left the target's greedy path."""
+    import aiohttp  # vLLM's client stack: installed with it
+
+    async def one(http: aiohttp.ClientSession, i: int) -> dict[str, Any]:
+        body = {
+            "model": server.model_id,
+            "prompt": [*prompt_ids[i], *served[i]],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": TOP_LOGPROBS,
+            "cache_salt": f"identity-{i}-{time.time_ns()}",
+        }
+        try:
+            async with http.post(f"{server.url}/completions", json=body) as r:
+                answer = await r.json()
+            rows = answer["choices"][0]["prompt_logprobs"][len(prompt_ids[i]) :]
+        except Exception as exc:
+            server.check_alive()
+            raise StageError(
+                f"the target could not read served output {i} (prompt_logprobs): "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+        top, picks, ranks = [], [], []
+        for token, row in zip(served[i], rows, strict=True):
+            listed = {int(k): v for k, v in (row or {}).items()}
+            by_rank = sorted(listed.items(), key=lambda kv: int(kv[1].get("rank") or 1 << 30))
+            top.append([(k, float(v["logprob"])) for k, v in by_rank[:TOP_LOGPROBS]])
+            picks.append(by_rank[0][0] if by_rank else -1)
+            took = listed.get(token)
+            ranks.append(int(took["rank"]) if took else len(listed) + 1)
+        return {"token_ids": picks, "likeliest": top, "ranks": ranks}
+
+    timeout = aiohttp.ClientTimeout(total=cfg.eval.timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        return await asyncio.gather(*(one(http, i) for i in range(len(served))))
+
+
+def read_sets(
+    server: Server, spec: dict[str, dict], cfg: RunnerConfig, label: str = "target"
+) -> dict[str, dict]:
+    """The identity check by prefill (eval.identity=prefill): per set of the draft-served
+    results `spec`, the target's own picks along each served output (`token_ids`, as long as
+    the served output), its likeliest tokens there, and `rescored`: at the first position where
+    the served output left the target's pick, the served token's rank in that same forward."""
+    out: dict[str, dict] = {}
+    for name, result in spec.items():
+        if any(ids is None for ids in result["prompt_ids"]):
+            raise StageError(
+                "vLLM returned no prompt token ids (request field return_token_ids); set "
+                "eval.identity=generate, or see hardware.vllm.command"
+            )
+        t0 = time.time()
+        with quiet_http_logs():
+            read = asyncio.run(_read_all(server, result["prompt_ids"], result["token_ids"], cfg))
+        took = time.time() - t0
+        log.info(
+            "[evaluate] %s: %s, %d served outputs read in one prefill each in %.1f s",
+            label,
+            name,
+            len(read),
+            took,
+        )
+        rescored = {}
+        for i, (r, mine) in enumerate(zip(read, result["token_ids"], strict=True)):
+            j = first_difference(mine, r["token_ids"])
+            if j is not None:
+                rescored[i] = {"rank": r["ranks"][j], "top": r["token_ids"][j]}
+        out[name] = {
+            "token_ids": [r["token_ids"] for r in read],
+            "likeliest": [r["likeliest"] for r in read],
+            "rescored": rescored,
+            "generate_s": took,
+            "read_by": "prefill",
+        }
+    return out
 
 
 def _generate_sets(
@@ -494,6 +583,7 @@ def _generate_sets(
             "token_ids": [list(o.choices[0].token_ids) for o in outs],
             "texts": [o.choices[0].message.content or "" for o in outs],
             "prompt_tokens": [o.usage.prompt_tokens for o in outs],
+            "prompt_ids": [_prompt_ids(o) for o in outs],
             "counters": counters,
             **({"likeliest": [_likeliest(o.choices[0]) for o in outs]} if likeliest else {}),
         }
@@ -542,6 +632,37 @@ def serve_sets(
             first = next(iter(sets.values()))
             out[next(iter(sets))]["speed"] = _timed({label: server}, first, cfg, speed_repeats)[
                 label
+            ]
+    return server.start_s, out
+
+
+def serve_reading(
+    cfg: RunnerConfig,
+    facts: ModelFacts,
+    spec: dict[str, dict],
+    sets: dict[str, list[Prompt]],
+    logs: Path,
+    speed_repeats: int = 0,
+) -> tuple[float, dict[str, dict]]:
+    """The target alone started, reading every draft-served output of `spec` (`read_sets`),
+    timed on the first set when `speed_repeats`, and stopped: its start-up seconds and, per set,
+    its picks along the served outputs."""
+    log.info(
+        "[evaluate] target: reading %s served outputs on a vLLM server (its log: "
+        "logs/vllm_target.log)",
+        " + ".join(str(len(r["token_ids"])) for r in spec.values()),
+    )
+    server = serve(
+        cfg, facts.path, server_args(cfg, None), logs / "vllm_target.log", label="evaluate:target"
+    )
+    with server:
+        out = read_sets(server, spec, cfg)
+        if speed_repeats:
+            first = next(iter(sets))
+            with quiet_http_logs():
+                _warm(server, sets[first], cfg)
+            out[first]["speed"] = _timed({"target": server}, sets[first], cfg, speed_repeats)[
+                "target"
             ]
     return server.start_s, out
 

@@ -28,6 +28,14 @@ class SpeedServers(StrEnum):
     auto = "auto"
 
 
+class Identity(StrEnum):
+    # The target alone reads each served output once, prompt and output prefilled together
+    # (vLLM's prompt_logprobs): its greedy choice at every served position in one forward.
+    prefill = "prefill"
+    # The target alone generates every prompt again, and the two outputs are compared.
+    generate = "generate"
+
+
 # The most draft tokens a step evaluates (eval.num_speculative_tokens): published EAGLE-3 drafts
 # are served at k of 3 to 8.
 SPECULATIVE_TOKENS_MAX = 32
@@ -67,6 +75,9 @@ class EvalConfig:
     random_baseline: bool = False
     # Also serve the target alone: checks greedy output is unchanged and measures the speed ratio.
     compare_target: bool = True
+    # How the identity check learns the target's own greedy output (Identity above): prefill
+    # reads every served output in one forward each instead of generating it again.
+    identity: Identity = Identity.prefill
     # An output served with the draft that leaves the target's greedy path is a near tie (bf16
     # kernels of another batch shape) when the token it took lies within this logprob gap of the
     # target's own choice there; any other fails the identity check. 0.5: bf16 stores a logit of
