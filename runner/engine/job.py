@@ -37,6 +37,7 @@ from runner.core.interrupts import Interrupted, as_interrupted, held_back, stop_
 from runner.core.layout import RunLayout
 from runner.core.schema import RunnerConfig, schema_for, typed
 from runner.core.store import ArtifactStore, writable_root
+from runner.engine.budget import cpu_lines, explicit_keys, fit_budget
 from runner.engine.checks import check_config, check_target
 from runner.engine.console import counted, library_note, quiet_libraries
 from runner.engine.pipeline import Pipeline, StageResult
@@ -175,6 +176,8 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         os.environ.update({str(k): str(v) for k, v in cfg.hardware.env.items()})
         target = resolve_target(cfg, output_root)  # config files only; no weights
         check_target(cfg, target, stages)
+        # A CPU run's size fits run.time_budget at this machine's measured speed.
+        cfg, budget_lines = fit_budget(cfg, target, stages, layout, explicit_keys())
         store = ArtifactStore(output_root)
         # A node after the first runs no stage of its own: it joins the stages that span nodes.
         follower = is_follower(cfg)
@@ -193,6 +196,7 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
                 f"one; include {' or '.join(reporting) or 'a stage that declares one'}",
             )
         plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, layout)
+        cpu_lines(plan, cfg, target, planned, layout, budget_lines)
         job = sweep_job()
         if job is None or job[0] == 0:
             _echo(plan.render())
@@ -225,6 +229,9 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
     pipeline.tracker = tracker
     pipeline.disk_needs = {
         k.split(".", 1)[1]: v for k, v in plan.numbers.items() if k.startswith("disk_need.")
+    }
+    pipeline.estimates = {
+        k.split(".", 1)[1][:-2]: v for k, v in plan.numbers.items() if k.startswith("estimate.")
     }
     run_id = tracker.start(_run_name(cfg, tracker), _run_tags(target))
     try:

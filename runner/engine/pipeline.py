@@ -102,6 +102,9 @@ class Pipeline:
         self.stages = tuple(s for s in check_registry(stages) if s.is_on(cfg))
         # stage -> bytes the plan expects it to write (Plan.numbers "disk_need.<stage>")
         self.disk_needs: dict[str, float] = {}
+        # stage -> seconds the plan estimated on this CPU (Plan.numbers "estimate.<stage>_s"):
+        # recorded beside the measured time, so that the estimate's error can be read back.
+        self.estimates: dict[str, float] = {}
 
     def plan(self) -> list[PlannedStage]:
         """The stages this invocation needs, each with its key and what will happen to it.
@@ -316,6 +319,8 @@ class Pipeline:
                 f"time/{p.name}_computed": float(status == "computed"),
             }
         )
+        if status == "computed" and p.name in self.estimates:
+            self.tracker.log_metrics({f"time/{p.name}_estimate_s": self.estimates[p.name]})
         self.tracker.set_tags({f"artifact.{p.name}": p.key, f"stage.{p.name}": status})
         self.tracker.log_artifact(art.path / "manifest.json", artifact_path=f"manifests/{p.name}")
 
@@ -354,6 +359,8 @@ class Pipeline:
             },
             "metrics": {},
         }
+        if p.name in self.estimates:
+            manifest["estimate_s"] = self.estimates[p.name]
         scratch = self.store.scratch(p.name, p.key)
         if not stage.resumable:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -222,6 +222,10 @@ class Stage:
     # (plan, view) -> adds this stage's lines and problems to the preflight plan; bytes it will
     # write go to plan.numbers["disk_need.<name>"].
     plan: Callable[[Plan, PlanView], None] | None = None
+    # (cfg, workload) -> seconds this stage takes on this CPU (runner/engine/cpu_speed.py: the
+    # machine's measured speed, the rows, their tokens and epochs); the plan's estimate of a CPU
+    # run and run.time_budget's sizing add them up. None: no CPU estimate.
+    cpu_seconds: Callable[[RunnerConfig, Any], float] | None = None
     # (cfg, name, artifact) -> raises ConfigError when an earlier stage's artifact, just ready,
     # shows that this stage cannot work: what no config file says (e.g. how many conversations
     # prepare read) still fails the run before the stages in between (training) spend hours.

@@ -67,6 +67,7 @@ from stages.evaluate.serving import (
     gpu_memory_gib,
     random_draft,
     serve_again,
+    serve_reading,
     serve_sets,
     serve_together,
     server_args,
@@ -228,7 +229,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if existing:
         ctx.manifest["served_by"] = cfg.hardware.vllm.endpoint
     if comparing:
-        if not target:
+        if not target and e.identity == "prefill":
+            _, target = serve_reading(cfg, ctx.facts, spec, sets, logs, speed_repeats=repeats)
+        elif not target:
             _, target = serve_sets(
                 cfg,
                 ctx.facts,
@@ -251,7 +254,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 for i, (a, b, t2) in enumerate(rows)
             ]
             identical[name] = [d is None for d in differs[name]]
-            metrics[f"{pre}target_tokens_per_s"] = tokens_per_s(result)
+            if result.get("read_by") != "prefill":  # a reading generates nothing
+                metrics[f"{pre}target_tokens_per_s"] = tokens_per_s(result)
         if repeats:
             speeds = {"draft": spec[first]["speed"], "target": target[first]["speed"]}
             (ctx.out / "speed.json").write_text(json.dumps(speeds, indent=1))  # every repeat
@@ -518,6 +522,38 @@ def cost(view: PlanView) -> costs.Cost | None:
     )
 
 
+def cpu_seconds(cfg: RunnerConfig, work: Any) -> float:
+    """The evaluation on this CPU: each server's start and first requests, then every set on
+    the draft-served server (its prompts prefilled, its tokens decoded), the target alone
+    reading each served output in one prefill (eval.identity=prefill) or generating it again,
+    the baselines as the draft. Prefill and decode run at the efficiencies against the probe
+    measured on the default (rates.yaml cpu.evaluate), prompts at their sets' measured lengths."""
+    from runner.engine.cpu_speed import cpu_rate
+
+    r, e = cpu_rate("evaluate"), cfg.eval
+    if e.draft is None and cfg.hardware.vllm.endpoint:
+        return 0.0
+    lengths = r.get("prompt_tokens") or {}
+    flop = 2.0 * work.shape.forward_params
+    prefill = work.speed.target_gflops * 1e9 * float(r.get("prefill_efficiency", 0.37)) / flop
+    decode = work.speed.target_gflops * 1e9 * float(r.get("decode_efficiency", 0.06)) / flop
+    prompt = sum(e.num_prompts * float(lengths.get(n, 200)) for n in e.prompts)
+    new = len(e.prompts) * e.num_prompts * e.max_new_tokens
+    served = prompt / prefill + new / decode  # one server's pass over every set
+    servers, passes = 1, served
+    if e.compare_target:
+        servers += 1
+        passes += (prompt + new) / prefill if e.identity == "prefill" else served
+    if e.baseline_draft:
+        servers, passes = servers + 1, passes + served
+    if e.random_baseline:  # the first set only
+        servers, passes = servers + 1, passes + served / max(1, len(e.prompts))
+    if choosing_epoch(cfg):
+        servers += cfg.train.epochs
+    start = float(r.get("start_s", 60.0)) + float(r.get("warm_s", 40.0))
+    return servers * start + passes
+
+
 def plan(p: Plan, view: PlanView) -> None:
     cfg = view.cfg
     if view.actions.get("evaluate") != "run":
@@ -738,6 +774,7 @@ STAGE = Stage(
     plotted="acceptance_length",
     results=results,
     plan=plan,
+    cpu_seconds=cpu_seconds,
     upstream_check=after_prepare,
     gate=_gate,
     settings=EvalConfig,

@@ -54,6 +54,7 @@ from runner.assets.target_facts import Target, target_context
 from runner.core.errors import ConfigError
 from runner.core.schema import RunnerConfig
 from runner.engine.console import bar_interval
+from runner.engine.cpu_speed import cpu_rate
 from runner.engine.stage import Plan, PlanView, Stage, StageContext
 from runner.processes.process import die_with_parent
 
@@ -594,6 +595,12 @@ def summary(metrics: dict[str, Any], path: Path, _cfg: RunnerConfig) -> list[str
     ]
 
 
+def cpu_seconds(cfg: RunnerConfig, work: Any) -> float:
+    """Reading the source, rendering and tokenising `work.rows` conversations on this CPU."""
+    r = cpu_rate("prepare")
+    return float(r.get("fixed_s", 0.0)) + float(r.get("per_row_s", 0.0)) * work.rows
+
+
 STAGE = Stage(
     name="prepare",
     key_config=key_config,
@@ -604,6 +611,7 @@ STAGE = Stage(
     identities=("tokenizer_id",),
     logged={"sample.txt": "prepare"},
     plan=plan,
+    cpu_seconds=cpu_seconds,
     check_target=check_target,
     # The data a published card names: the rows kept.
     results=lambda metrics, cfg: [{"rows": metrics.get("rows")}],

@@ -57,6 +57,7 @@ from runner.processes.launch import resume_hint, run_ranks
 from runner.serving.hidden_states import server_args
 from runner.serving.vllm_server import quiet_http_logs
 from stages.train import nodes
+from stages.train.draft_estimate import cpu_seconds
 from stages.train.export import check_export, publish_draft
 from stages.train.online import hidden_state_server
 from stages.train.planning import plan
@@ -359,6 +360,7 @@ STAGE = Stage(
     replayed_params=PARAMS_FILE,
     curve_copies=("final_", "val_", "first_loss"),
     plan=plan,
+    cpu_seconds=cpu_seconds,
     # Online, training fetches states from a vLLM server (extract.mode=online).
     server=lambda cfg: (
         ServerNeed(EXTRACTION, cfg.data.max_seq_len + 1, "data.max_seq_len")

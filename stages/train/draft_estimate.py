@@ -7,6 +7,9 @@ stage's plan and checked against measured peaks (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from runner.assets.target_facts import Target
 from runner.core.schema import RunnerConfig
 from runner.engine.stage import Plan
@@ -97,3 +100,55 @@ def plan_memory(p: Plan, cfg: RunnerConfig, target: Target) -> None:
             f"training needs ~{mem['total'] / gib:.1f} GiB per GPU, more than the "
             f"{hw.gpu_memory_gib:g} GiB of hardware '{hw.name}'; {fix}",
         )
+
+
+def _muon_matrices(cfg: RunnerConfig, shape: Any) -> list[tuple[int, int]]:
+    """The 2-D weights Muon orthogonalises (speculators routes the embedding and LM head to
+    AdamW): fc from the three aux layers, and each decoder layer's projections."""
+    h, kv, ffn = shape.hidden, shape.kv, shape.ffn
+    layer = [(h, 2 * h), (kv, 2 * h), (kv, 2 * h), (h, h), (ffn, h), (ffn, h), (h, ffn)]
+    return [(h, 3 * h), *layer * cfg.train.num_layers]
+
+
+def muon_flops(cfg: RunnerConfig, shape: Any) -> float:
+    """Floating-point operations of one optimizer step's Newton-Schulz products: per matrix
+    (m <= n) and iteration, X X^T (2 m^2 n), the Gram's square (2 m^3) and the product with X
+    (2 m^2 n). About 67 GFLOP for the default's draft at 5 iterations."""
+    if cfg.train.optimizer != "muon":
+        return 0.0
+    steps = int(cfg.train.extra_args.get("muon_ns_steps", 5))
+    total = 0.0
+    for a, b in _muon_matrices(cfg, shape):
+        m, n = min(a, b), max(a, b)
+        total += steps * (4 * m * m * n + 2 * m**3)
+    return total
+
+
+def draft_flops_per_token(cfg: RunnerConfig, shape: Any) -> float:
+    """Forward floating-point operations per token: fc, then every TTT step's decoder layers
+    (q/k/v read 2h inputs) and LM head over the draft vocab."""
+    h, kv, ffn, t = shape.hidden, shape.kv, shape.ffn, cfg.train
+    layer = 2 * h * (h + 2 * kv) + h * h + 3 * h * ffn
+    step = t.num_layers * layer + h * cfg.vocab.draft_vocab_size
+    return 2.0 * (3 * h * h + t.ttt_steps * step)
+
+
+def cpu_seconds(cfg: RunnerConfig, work: Any) -> float:
+    """Training on this CPU: each step's forward and backward (three times the forward's
+    products) over a pack of rows, Muon's products once a step, and the validation passes."""
+    from runner.engine.cpu_speed import cpu_rate
+
+    r, t = cpu_rate("train"), cfg.train
+    per_row = work.tokens / max(1, work.rows)
+    seq = t.total_seq_len or cfg.data.max_seq_len
+    rows_per_step = max(1, int(seq // max(1.0, per_row)))
+    train_rows = work.rows * (1 - t.val_ratio)
+    steps = math.ceil(train_rows / rows_per_step) * work.epochs
+    if t.max_steps is not None:
+        steps = min(steps, t.max_steps)
+    fwd = draft_flops_per_token(cfg, work.shape)
+    dense = work.speed.draft_gflops * 1e9 * float(r.get("efficiency", 0.7))
+    gram = work.speed.gram_gflops * 1e9 * float(r.get("muon_efficiency", 1.0))
+    step_s = 3 * fwd * per_row * rows_per_step / dense + muon_flops(cfg, work.shape) / gram
+    val_s = work.rows * t.val_ratio * work.epochs * per_row * fwd / dense
+    return float(r.get("fixed_s", 0.0)) + steps * step_s + val_s
