@@ -4,6 +4,7 @@ given on the command line is kept; GPU runs are not sized."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from runner.assets.target_facts import resolve_target
 from runner.core.layout import RunLayout
 from runner.core.schema import typed
-from runner.engine.budget import MIN_ROWS, ROWS_STEP, estimate, fit_budget
+from runner.engine.budget import FIXED_SHARE, MIN_ROWS, ROWS_STEP, estimate, fit_budget
 from runner.engine.cpu_speed import MachineSpeed, probe
 from stages import REGISTRY
 from tests.conftest import compose, run_job, tiny_overrides
@@ -52,12 +53,27 @@ def test_the_budget_takes_the_most_rows_that_fit_and_says_what_it_cost(setup):
     def total(rows: int) -> float:
         return sum(estimate(cfg, target, REGISTRY, None, rows=rows, speed=rate).values())
 
-    budget = (total(MIN_ROWS) + total(2000)) / 2  # room for more than the fewest rows
+    lean = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, num_prompts=20))
+    low, high = (
+        sum(estimate(lean, target, REGISTRY, None, rows=n, speed=rate).values())
+        for n in (MIN_ROWS, 2000)
+    )
+    budget = (low + high) / 2  # room for more than the fewest rows, not for all of them
     cfg.run.time_budget = budget / 60
     sized, lines = fit_budget(cfg, target, REGISTRY, None, speed=rate)
     rows = sized.data.num_samples
     assert MIN_ROWS < rows < 2000 and rows % ROWS_STEP == 0
-    assert total(rows) <= budget < total(rows + ROWS_STEP)
+
+    def sized_total(n: int) -> float:  # with the evaluation as the budget left it
+        return sum(estimate(sized, target, REGISTRY, None, rows=n, speed=rate).values())
+
+    assert sized_total(rows) <= budget < sized_total(rows + ROWS_STEP)
+    # The evaluation, which the rows do not size, took at most its share in fewer prompts.
+    ev = [s for s in REGISTRY if s.name == "evaluate"]
+    assert sized.eval.num_prompts < cfg.eval.num_prompts
+    spent = estimate(sized, target, ev, None, speed=rate)["evaluate"]
+    assert spent <= FIXED_SHARE * budget or sized.eval.num_prompts == 20  # or its floor
+    assert any(f"{sized.eval.num_prompts} prompts a set instead of 80" in x for x in lines)
     assert cfg.data.num_samples == 2000  # the given config is left as it was
     assert "2,000 rows would take" in lines[0] and f"using {rows:,} rows" in lines[0]
     # Given on the command line, the sizing keys are kept, and the estimate said.
@@ -66,7 +82,7 @@ def test_the_budget_takes_the_most_rows_that_fit_and_says_what_it_cost(setup):
     # A budget the full size fits changes nothing.
     cfg.run.time_budget = total(2000) / 60 + 1
     same, lines = fit_budget(cfg, target, REGISTRY, None, speed=rate)
-    assert same.data.num_samples == 2000 and "within" in lines[0]
+    assert same.data.num_samples == 2000 and lines == []
     # Off, and on a GPU: not sized.
     cfg.run.time_budget = None
     assert fit_budget(cfg, target, REGISTRY, None, speed=rate) == (cfg, [])
@@ -93,3 +109,21 @@ def test_the_plan_shows_the_machine_the_estimates_and_records_them(
         assert plan.numbers[f"estimate.{stage}_s"] > 0
     speeds = RunLayout(tmp_path).cache / "cpu_speed.json"
     assert speeds.is_file()  # measured once: the next plan on this machine reads it back
+
+
+def test_report_shows_each_estimate_beside_its_measured_time():
+    from runner.commands.report import estimate_lines
+
+    lines = estimate_lines(
+        {
+            "time/extract_s": 200.0,
+            "time/extract_estimate_s": 150.0,
+            "time/train_s": 400.0,
+            "time/train_estimate_s": 440.0,
+            "time/vocab_s": 0.3,
+        }
+    )
+    assert "estimated against measured" in lines[0]
+    assert lines[2].split() == ["extract", "150s", "200s", "-25%"]
+    assert lines[3].split() == ["train", "440s", "400s", "+10%"]
+    assert estimate_lines({"time/train_s": 400.0}) == []

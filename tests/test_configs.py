@@ -150,6 +150,14 @@ def test_wrong_type_is_rejected_with_its_name():
         # The environment children run in: loader variables, and values NCCL does not take.
         (["+hardware.env.LD_PRELOAD=/tmp/x.so"], "hardware.env.LD_PRELOAD"),
         (["+hardware.vllm.env.PYTHONPATH=/tmp"], "hardware.vllm.env.PYTHONPATH"),
+        # ... every variable of their families, and the shells' and glibc's own.
+        (["+hardware.env.LD_AUDIT=/tmp/a.so"], "hardware.env.LD_AUDIT"),
+        (["+hardware.vllm.env.LD_AUDIT=/tmp/a.so"], "hardware.vllm.env.LD_AUDIT"),
+        (["+hardware.env.BASH_ENV=/tmp/rc"], "hardware.env.BASH_ENV"),
+        (["+hardware.vllm.env.ENV=/tmp/rc"], "hardware.vllm.env.ENV"),
+        (["+hardware.env.PATH=/tmp/bin"], "hardware.env.PATH"),
+        (["+hardware.env.GCONV_PATH=/tmp/g"], "hardware.env.GCONV_PATH"),
+        (["+hardware.vllm.env.PYTHONWARNINGS=error"], "hardware.vllm.env.PYTHONWARNINGS"),
         (
             ["hardware=blackwell8", "hardware.env.NCCL_P2P_LEVEL=SYSTEM"],
             "hardware.env.NCCL_P2P_LEVEL",
@@ -162,6 +170,8 @@ def test_wrong_type_is_rejected_with_its_name():
         (["+hardware.env.CUDA_VISIBLE_DEVICES=first"], "hardware.env.CUDA_VISIBLE_DEVICES"),
         (["tracking.experiment=" + "x" * 1000], "tracking.experiment"),
         (["eval.num_speculative_tokens=1000"], "eval.num_speculative_tokens"),
+        # A floor no draft can pass: above k + 1.
+        (["eval.acceptance_floor=4.5", "eval.num_speculative_tokens=3"], "eval.acceptance_floor"),
     ],
 )
 def test_impossible_values_fail_before_anything_loads(overrides, key):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from runner.core.number_format import choose_dtype
 from runner.core.schema import typed
 from tests.conftest import compose, run_job
 
@@ -72,11 +73,9 @@ def test_hidden_states_are_the_targets_own(runs):
     f = load_file(str(r["extract"].path / "hidden_states" / "hs_0.safetensors"))
     ids = rows[0]["input_ids"]
     assert torch.equal(f["token_ids"], ids)
-    assert (
-        f["hidden_states"].shape == (len(ids), 4, 576)
-        and f["hidden_states"].dtype == torch.bfloat16
-    )
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    dtype = getattr(torch, choose_dtype("cpu").dtype)  # the format this CPU computes in
+    assert f["hidden_states"].shape == (len(ids), 4, 576) and f["hidden_states"].dtype == dtype
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     with torch.inference_mode():
         out = model(input_ids=ids[None], output_hidden_states=True)
     states = [h[0].float() for h in out.hidden_states]

@@ -196,6 +196,12 @@ def test_rows_the_cut_leaves_without_an_answer_are_counted_as_truncated(tmp_path
             "tracking.uri",
             "unreachable within 2 s",
         ),
+        # Choosing among the epochs' drafts with one epoch: nothing to choose.
+        (
+            ["run.stages=[all]", "eval.choose_epoch=true", "train.epochs=1"],
+            "eval.choose_epoch",
+            "makes one",
+        ),
     ],
 )
 def test_values_refused_in_the_plan_name_the_runners_key(

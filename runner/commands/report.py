@@ -88,7 +88,26 @@ def main(argv: list[str] | None = None) -> int:
         note = tags.get("mlflow.note.content")
         if note:  # the summary's code block (the figures' images after it are for the UI)
             print(note.removeprefix("```").split("```")[0].strip("\n"))
+        for line in estimate_lines(run.data.metrics):
+            print(line)
     return 0
+
+
+def estimate_lines(metrics: dict[str, float]) -> list[str]:
+    """The plan's estimate of each computed stage beside its measured time (a CPU run's
+    time/<stage>_estimate_s and time/<stage>_s), with the error; [] when the run has none."""
+    stages = [k[5 : -len("_estimate_s")] for k in metrics if k.endswith("_estimate_s")]
+    if not stages:
+        return []
+    lines = ["estimated against measured (this machine's probe; time/<stage>_estimate_s):"]
+    lines.append(f"  {'stage':<10} {'estimate':>10} {'measured':>10} {'error':>7}")
+    for name in stages:
+        est, took = metrics[f"time/{name}_estimate_s"], metrics.get(f"time/{name}_s")
+        if took is None:
+            continue
+        err = f"{(est - took) / took:+.0%}" if took > 0 else "-"
+        lines.append(f"  {name:<10} {est:>9.0f}s {took:>9.0f}s {err:>7}")
+    return lines
 
 
 def _machine(rows: list[dict[str, Any]], form: str) -> None:

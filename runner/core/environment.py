@@ -12,9 +12,32 @@ import re
 
 from runner.core.errors import ConfigError
 
-# Variables that decide which shared objects or Python modules every child loads: refused
-# unless hardware.allow_loader_env (a debugging preload, a custom NCCL build) says so.
-LOADER_VARIABLES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")
+# Variables that decide which programs, shared objects or Python modules every child loads or
+# runs: refused unless hardware.allow_loader_env (a debugging preload, a custom NCCL build) says
+# so. Whole families: the dynamic loader's (LD_*: LD_PRELOAD, LD_AUDIT, ...), Python's
+# (PYTHON*: PYTHONPATH, PYTHONSTARTUP, PYTHONWARNINGS imports the categories it names, ...),
+# the shells' start-up files, the search path for programs and glibc's converter modules.
+LOADER_PREFIXES = ("LD_", "PYTHON", "DYLD_")
+LOADER_NAMES = frozenset({"BASH_ENV", "ENV", "PATH", "GCONV_PATH", "LOCPATH", "NLSPATH"})
+# Python variables that change no code: buffering, hashing, bytecode files, fault handler, I/O.
+HARMLESS = frozenset(
+    {
+        "PYTHONUNBUFFERED",
+        "PYTHONHASHSEED",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONFAULTHANDLER",
+        "PYTHONIOENCODING",
+        "PYTHONUTF8",
+    }
+)
+
+
+def is_loader_variable(name: str) -> bool:
+    """Whether setting `name` changes which code a child process loads or runs."""
+    if name in HARMLESS:
+        return False
+    return name in LOADER_NAMES or name.startswith(LOADER_PREFIXES)
+
 
 _BOOL = ("0", "1")
 _P2P_LEVELS = ("LOC", "NVL", "PIX", "PXB", "PHB", "SYS")
@@ -82,7 +105,7 @@ def check_env(key: str, env: dict[str, str], allow_loader: bool) -> None:
         where = f"{key}.{name}"
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ConfigError(where, "is not an environment variable name")
-        if name in LOADER_VARIABLES and not allow_loader:
+        if is_loader_variable(name) and not allow_loader:
             raise ConfigError(
                 where,
                 "changes which libraries or modules every child process loads (vLLM, the "

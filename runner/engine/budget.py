@@ -33,7 +33,7 @@ from runner.engine.cpu_speed import (
     TargetShape,
     Workload,
     cpu_name,
-    cpu_rate,
+    cpu_table,
     fmt_minutes,
     probe,
 )
@@ -41,11 +41,9 @@ from runner.engine.cpu_speed import (
 # The budget's steps of rows, and the fewest it sizes a run down to.
 ROWS_STEP = 50
 MIN_ROWS = 100
-# The evaluation may take this share of the budget: beyond it, fewer prompts per set (in steps
-# of PROMPTS_STEP, not below MIN_PROMPTS), so that training keeps the rest.
-EVAL_SHARE = 0.4
-PROMPTS_STEP = 10
-MIN_PROMPTS = 20
+# A stage whose cost the rows do not set (Stage.cpu_fit: the evaluation's prompts) may take
+# this share of the budget; the rows get the rest.
+FIXED_SHARE = 0.4
 # Keys that, given on the command line, the budget leaves as they are.
 SIZING_KEYS = ("data.num_samples", "train.epochs", "train.max_steps", "eval.num_prompts")
 
@@ -79,8 +77,8 @@ def machine_speed(cfg: RunnerConfig, shape: TargetShape, layout: RunLayout | Non
 
 def _tokens(cfg: RunnerConfig, rows: int) -> int:
     """Tokens of `rows` prepared conversations: rows x data.max_seq_len x the fill measured on
-    the default's data (rates.yaml cpu.prepare.row_fill)."""
-    fill = float(cpu_rate("prepare").get("row_fill", 0.95))
+    the default's data (rates.yaml cpu.row_fill)."""
+    fill = float(cpu_table().get("row_fill", 0.95))
     return int(rows * cfg.data.max_seq_len * fill)
 
 
@@ -130,23 +128,23 @@ def fit_budget(
     full = total(cfg)
     given = sorted(set(explicit) & set(SIZING_KEYS))
     if full <= budget:
-        return cfg, [f"{asked:,} rows: ~{fmt_minutes(full)} here, within {budget_min:g} min"]
+        return cfg, []
     if given:
         return cfg, [
             f"~{fmt_minutes(full)} here, over {budget_min:g} min; kept as given "
             f"({', '.join(given)}); run.time_budget=null silences this"
         ]
-    sized, lines = _fewer_prompts(cfg, target, stages, layout, speed, budget * EVAL_SHARE)
+    sized, lines = _fit_stages(cfg, target, stages, layout, speed, budget * FIXED_SHARE)
 
     def fits(step: int) -> bool:
         return total(sized, rows=max(MIN_ROWS, step * ROWS_STEP)) <= budget
 
-    # The estimate grows with the rows: the largest step of rows that fits.
+    # The estimate grows with the rows: all of them, else the largest step of rows that fits.
     lo, hi = 0, max(0, (asked - 1) // ROWS_STEP)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    rows = max(MIN_ROWS, lo * ROWS_STEP)
+    rows = asked if total(sized) <= budget else max(MIN_ROWS, lo * ROWS_STEP)
     sized = dataclasses.replace(sized, data=dataclasses.replace(sized.data, num_samples=rows))
     took = total(sized)
     line = (
@@ -159,7 +157,7 @@ def fit_budget(
     return sized, [line, *lines]
 
 
-def _fewer_prompts(
+def _fit_stages(
     cfg: RunnerConfig,
     target: Target,
     stages: tuple[Any, ...],
@@ -167,28 +165,19 @@ def _fewer_prompts(
     speed: MachineSpeed,
     share: float,
 ) -> tuple[RunnerConfig, list[str]]:
-    """`cfg` with eval.num_prompts lowered until the evaluation's estimate fits `share` seconds
-    (a run without an evaluating stage, or one already within it, is unchanged)."""
-    evaluating = [s for s in stages if s.name == "evaluate" and s.cpu_seconds is not None]
-    e = getattr(cfg, "eval", None)
-    if not evaluating or e is None:
-        return cfg, []
+    """`cfg` with each stage that declares `cpu_fit` lowered to its share of the budget."""
+    lines = []
+    for stage in stages:
+        if stage.cpu_fit is None or stage.cpu_seconds is None or not stage.is_on(cfg):
+            continue
 
-    def cost(n: int) -> float:
-        c = dataclasses.replace(cfg, eval=dataclasses.replace(e, num_prompts=n))
-        return sum(estimate(c, target, evaluating, layout, speed=speed).values())
+        def cost(c: RunnerConfig, stage: Any = stage) -> float:
+            return sum(estimate(c, target, [stage], layout, speed=speed).values())
 
-    asked = e.num_prompts
-    n = asked
-    while n > MIN_PROMPTS and cost(n) > share:
-        n = max(MIN_PROMPTS, (n - 1) // PROMPTS_STEP * PROMPTS_STEP)
-    if n == asked:
-        return cfg, []
-    sized = dataclasses.replace(cfg, eval=dataclasses.replace(e, num_prompts=n))
-    return sized, [
-        f"evaluation: {n} prompts a set instead of {asked} (~{fmt_minutes(cost(n))} against "
-        f"~{fmt_minutes(cost(asked))}; set eval.num_prompts to choose)"
-    ]
+        cfg, line = stage.cpu_fit(cfg, share, cost)
+        if line:
+            lines.append(line)
+    return cfg, lines
 
 
 def explicit_keys() -> set[str]:
@@ -227,15 +216,22 @@ def cpu_lines(
     running = [p.stage for p in planned if p.action == "run"]
     shape = shape_of(cfg, target)
     plan.add("this machine", machine_speed(cfg, shape, layout).line())
-    prepared = next((p for p in planned if p.name == "prepare" and p.action == "cached"), None)
     tokens = None
-    if prepared is not None:  # the prepared count, not an estimate
-        tokens = int((_cached_metrics(layout, prepared) or {}).get("tokens", 0)) or None
+    for p in planned:  # a cached stage that counted the rows' tokens: the count, not a guess
+        counted = _cached_metrics(layout, p) if p.action == "cached" else None
+        if counted and counted.get("tokens") and counted.get("rows") == cfg.data.num_samples:
+            tokens = int(counted["tokens"])
+            break
     found = estimate(cfg, target, running, layout, tokens=tokens)
     for name, seconds in found.items():
         plan.numbers[f"estimate.{name}_s"] = seconds
     if found:
-        plan.add("estimate here", per_stage_line(found))
+        within = (
+            f", within run.time_budget={cfg.run.time_budget:g} min"
+            if cfg.run.time_budget and not budget_lines
+            else ""
+        )
+        plan.add("estimate here", per_stage_line(found) + within)
     elif running:
         plan.add("estimate here", "no stage this run computes has a CPU estimate")
     for line in budget_lines:

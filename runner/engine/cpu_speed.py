@@ -153,12 +153,17 @@ def probe(dtype: str, threads: int | None, hidden: int, ffn: int, draft_vocab: i
         torch.set_num_threads(before)
 
 
+def cpu_table() -> dict[str, Any]:
+    """rates.yaml's `cpu` section."""
+    from runner.engine.costs import table
+
+    return dict(table().get("cpu") or {})
+
+
 def cpu_rate(stage: str) -> dict[str, Any]:
     """The stage's row of rates.yaml's `cpu` section: its efficiencies against the probe and
     fixed seconds, with where they were measured."""
-    from runner.engine.costs import table
-
-    return dict((table().get("cpu") or {}).get(stage) or {})
+    return dict(cpu_table().get(stage) or {})
 
 
 def fmt_minutes(seconds: float) -> str:

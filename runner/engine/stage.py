@@ -226,6 +226,15 @@ class Stage:
     # machine's measured speed, the rows, their tokens and epochs); the plan's estimate of a CPU
     # run and run.time_budget's sizing add them up. None: no CPU estimate.
     cpu_seconds: Callable[[RunnerConfig, Any], float] | None = None
+    # (cfg, seconds, estimate) -> (cfg with this stage's own work lowered until estimate(cfg)
+    # is at most `seconds`, the plan's line saying what changed or None): run.time_budget gives
+    # a stage whose cost the rows do not set (the evaluation's prompts) a share of the budget.
+    cpu_fit: (
+        Callable[
+            [RunnerConfig, float, Callable[[RunnerConfig], float]], tuple[RunnerConfig, str | None]
+        ]
+        | None
+    ) = None
     # (cfg, name, artifact) -> raises ConfigError when an earlier stage's artifact, just ready,
     # shows that this stage cannot work: what no config file says (e.g. how many conversations
     # prepare read) still fails the run before the stages in between (training) spend hours.

@@ -522,6 +522,16 @@ def cost(view: PlanView) -> costs.Cost | None:
     )
 
 
+def check_target(cfg: RunnerConfig, target: Any) -> None:
+    """Settings that contradict each other across sections, refused before anything loads."""
+    if cfg.eval.choose_epoch and not cfg.eval.draft and cfg.train.epochs < 2:
+        raise ConfigError(
+            "eval.choose_epoch",
+            f"chooses among the epochs' drafts, and train.epochs={cfg.train.epochs} makes one; "
+            "raise train.epochs or leave eval.choose_epoch unset",
+        )
+
+
 def cpu_seconds(cfg: RunnerConfig, work: Any) -> float:
     """The evaluation on this CPU: each server's start and first requests, then every set on
     the draft-served server (its prompts prefilled, its tokens decoded), the target alone
@@ -552,6 +562,29 @@ def cpu_seconds(cfg: RunnerConfig, work: Any) -> float:
         servers += cfg.train.epochs
     start = float(r.get("start_s", 60.0)) + float(r.get("warm_s", 40.0))
     return servers * start + passes
+
+
+# Under run.time_budget: prompts a set in steps of this, never fewer than MIN_PROMPTS.
+PROMPTS_STEP = 10
+MIN_PROMPTS = 20
+
+
+def cpu_fit(cfg: RunnerConfig, seconds: float, estimate: Any) -> tuple[RunnerConfig, str | None]:
+    """Fewer prompts a set (eval.num_prompts, in steps of PROMPTS_STEP, not below MIN_PROMPTS)
+    until the evaluation's CPU estimate is at most `seconds` (run.time_budget's share)."""
+    asked = n = cfg.eval.num_prompts
+
+    def at(k: int) -> RunnerConfig:
+        return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, num_prompts=k))
+
+    while n > MIN_PROMPTS and estimate(at(n)) > seconds:
+        n = max(MIN_PROMPTS, (n - 1) // PROMPTS_STEP * PROMPTS_STEP)
+    if n == asked:
+        return cfg, None
+    return at(n), (
+        f"evaluation: {n} prompts a set instead of {asked} (~{estimate(at(n)) / 60:.1f} min "
+        f"against ~{estimate(cfg) / 60:.1f}; set eval.num_prompts to choose)"
+    )
 
 
 def plan(p: Plan, view: PlanView) -> None:
@@ -774,7 +807,9 @@ STAGE = Stage(
     plotted="acceptance_length",
     results=results,
     plan=plan,
+    check_target=check_target,
     cpu_seconds=cpu_seconds,
+    cpu_fit=cpu_fit,
     upstream_check=after_prepare,
     gate=_gate,
     settings=EvalConfig,

@@ -157,6 +157,14 @@ class EvalConfig:
             within(
                 "eval.acceptance_floor", self.acceptance_floor, 1.0, 1.0 + SPECULATIVE_TOKENS_MAX
             )
+            best = 1 + self.num_speculative_tokens  # every drafted token accepted, every step
+            if self.acceptance_floor >= best:
+                raise ConfigError(
+                    "eval.acceptance_floor",
+                    f"{self.acceptance_floor} can never be passed: with "
+                    f"eval.num_speculative_tokens={self.num_speculative_tokens} the acceptance "
+                    f"length is at most {best}; lower the floor or raise k",
+                )
         if self.speed_repeats is not None:
             at_least("eval.speed_repeats", self.speed_repeats, 0)
         at_least("eval.speed_pass_s", self.speed_pass_s, 0)
