@@ -70,10 +70,15 @@ def _fixed_free_disk_for_plans(monkeypatch):
 
 
 def compose(overrides: list[str] | None = None):
-    """The config `python -m runner <overrides>` would get, through Hydra's compose API."""
+    """The config `python -m runner <overrides>` would get, through Hydra's compose API, with
+    run.time_budget off unless the test sets it: a test's sizes are its own on any CPU (the
+    budget's own tests set it)."""
+    overrides = list(overrides or [])
+    if not any(o.lstrip("+~").startswith("run.time_budget") for o in overrides):
+        overrides.insert(0, "run.time_budget=null")
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides or [])
+        return hydra_compose(config_name="config", overrides=overrides)
 
 
 def run_job(node, stages: tuple[Stage, ...] = REGISTRY) -> job.JobResult:

@@ -83,6 +83,10 @@ def test_the_budget_takes_the_most_rows_that_fit_and_says_what_it_cost(setup):
     cfg.run.time_budget = total(2000) / 60 + 1
     same, lines = fit_budget(cfg, target, REGISTRY, None, speed=rate)
     assert same.data.num_samples == 2000 and lines == []
+    # A run smaller than the fewest rows the budget sizes to keeps its own, however slow.
+    small = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_samples=60))
+    small.run.time_budget = 0.01
+    assert fit_budget(small, target, REGISTRY, None, speed=rate)[0].data.num_samples == 60
     # Off, and on a GPU: not sized.
     cfg.run.time_budget = None
     assert fit_budget(cfg, target, REGISTRY, None, speed=rate) == (cfg, [])

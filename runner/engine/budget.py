@@ -144,7 +144,8 @@ def fit_budget(
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    rows = asked if total(sized) <= budget else max(MIN_ROWS, lo * ROWS_STEP)
+    # Never more rows than asked: a small run over the budget keeps its rows.
+    rows = asked if total(sized) <= budget else min(asked, max(MIN_ROWS, lo * ROWS_STEP))
     sized = dataclasses.replace(sized, data=dataclasses.replace(sized.data, num_samples=rows))
     took = total(sized)
     line = (
