@@ -31,11 +31,11 @@ XDIST := -n 2 --dist loadfile --max-worker-restart=0
 # trainings oversubscribed both: on a 2-core x86_64 machine on 2026-12-06 the slow lanes took
 # 1,222 s pinned against 2,362 to 2,768 s unpinned, and the fast lane 467 s against 600 s.
 PIN := EAGLE3_TEST_PIN_WORKERS=1
-test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (8-11 min)
+test-fast: setup  ## Fast tests: tiny models built in the test, configs, plans, a tiny sweep (8-18 min)
 	@$(call timed,$(PIN) $(PY) -m pytest -q $(XDIST) --timeout=600 --durations=15 -m "not e2e and not vllm and not faults",fast tests)
 
 # --durations prints the slowest tests in CI's log, where the next cut would start.
-test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lane, fault injection (20-26 min)
+test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lane, fault injection (20-50 min)
 	@$(call timed,$(PIN) $(PY) -m pytest -q $(XDIST) --durations=25 -m "e2e or vllm or faults",slow lanes)
 
 test: setup lint test-fast test-slow  ## Everything CI runs: lint, fast tests, then the slow lanes

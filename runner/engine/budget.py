@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -198,7 +197,7 @@ def explicit_keys() -> set[str]:
 def per_stage_line(estimates: dict[str, float]) -> str:
     total = sum(estimates.values())
     parts = ", ".join(f"{k} ~{fmt_minutes(v)}" for k, v in estimates.items())
-    return f"{parts}; about {math.ceil(total / 60)} minutes"
+    return f"{parts}; about {fmt_minutes(total)} in all"
 
 
 def cpu_lines(
