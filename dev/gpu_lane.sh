@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU lane on a machine with a GPU and no network (this workplace's H200s), from a checkout
+# The GPU lane on a machine with a GPU and no network (an H100 or H200 here), from a checkout
 # that travels there with one bundle piece per call (pieces of <= 60 MiB: `make gpu-bundle`
 # builds them here into .gpu/pieces). Every call is short; the lane runs in its own process
 # session between calls. Usage, one verb per call (docs/gpu.md):
@@ -38,7 +38,7 @@ export PYTHONPATH=$PWD:$G/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_
 PY=${PY:-python3}
 case "${1:-}" in
 recv)  # carry SHA256SUMS with every piece: a machine lost between calls comes back bare, and
-  # this says at once what it lacks (the sixth session lost one so, after the first piece)
+  # this says at once what it lacks
   for f in .gpu/pieces/*; do [ -f "$f" ] && [ ! -e $G/pieces/$(basename "$f") ] && cp "$f" $G/pieces/; done
   $PY scripts/wheelhouse.py missing $G/pieces ;;
 facts)
@@ -128,7 +128,7 @@ phases)  # what `start` runs in the background: A side by side, then B, then C
   cat $G/*.rc 2>/dev/null | sort -u | tail -1 > $G/lane.rc ;;
 wait)
   # A machine that went back between calls comes back bare: say so at once rather than wait
-  # SECONDS for a lane that is not there (the eighth session waited 250 s so).
+  # SECONDS for a lane that is not there.
   if [ ! -f $G/started ]; then
     echo "no lane was started on this machine: it is a fresh one (the one that ran start went back); carry the pieces again (recv, setup, start)"
     exit 3
