@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -184,3 +185,145 @@ def test_the_cards_serve_command_carries_the_settings_it_was_measured_with():
     assert words[words.index("--kv-cache-dtype") + 1] == "fp8"
     spec = json.loads(words[words.index("--speculative-config") + 1])
     assert spec["attention_backend"] == "TRITON_ATTN" and "rejection_sample_method" not in spec
+
+
+# The same settings written as vLLM flags in extra_args, as the variable older vLLMs read, or
+# with the card's name as nvidia-smi prints it: each reaches the same check.
+SILENT = ["hardware.vllm.attention_backend=null", "hardware.vllm.kv_cache_dtype=null"]
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (
+            [*SILENT, "hardware.vllm.extra_args=[--attention-backend,FLASHINFER_MLA,"
+             "--kv-cache-dtype,fp8]"],
+            "hardware.vllm.attention_backend",
+        ),
+        (
+            [*SILENT, "hardware.vllm.attention_backend=FLASHINFER_MLA",
+             "hardware.vllm.extra_args=['--kv_cache_dtype=fp8']"],
+            "hardware.vllm.attention_backend",
+        ),
+        (
+            [*SILENT, "+hardware.vllm.env.VLLM_ATTENTION_BACKEND=FLASHINFER_MLA",
+             "hardware.vllm.kv_cache_dtype=fp8_e4m3"],
+            "hardware.vllm.attention_backend",
+        ),
+        (
+            ["hardware.vllm.attention_backend=FLASHINFER_MLA",
+             "hardware.gpu_kind='NVIDIA RTX PRO 6000 Blackwell Server Edition'"],
+            "hardware.vllm.attention_backend",
+        ),
+        (
+            ["hardware.vllm.attention_backend=FLASHINFER_MLA", "hardware.gpu_kind='Mystery 9000'"],
+            "hardware.compute_capability",
+        ),
+        # Written twice with two values: which one would the server get?
+        (["hardware.vllm.extra_args=['--attention-backend=FLASHINFER_MLA']"],
+         "hardware.vllm.attention_backend"),
+        (["hardware.vllm.extra_args=[-cc.cudagraph_mode,NONE]"], "hardware.vllm.cudagraph_mode"),
+        (["hardware.vllm.extra_args=[--speculative-config,"
+          "'{\"attention_backend\": \"FLASH_ATTN\"}']"],
+         "hardware.vllm.draft_attention_backend"),
+        (["hardware.vllm.extra_args=[--kv-cache-dtype]"], "hardware.vllm.extra_args"),
+    ],
+)  # fmt: skip
+def test_a_serving_setting_is_checked_however_it_is_written(tmp_path, overrides, key):
+    with pytest.raises(ConfigError) as refused:
+        plan(tmp_path, *overrides)
+    assert refused.value.key == key, refused.value
+    if key == "hardware.vllm.attention_backend" and "one place" not in refused.value.message:
+        assert "zero acceptance" in refused.value.message
+
+
+def test_flags_in_extra_args_become_the_typed_settings_and_reach_the_server_once():
+    from runner.serving.vllm_server import command_line, engine_args
+
+    cfg = typed(
+        compose(
+            [
+                *KIMI_BOX,
+                *SILENT,
+                "hardware.vllm.cudagraph_mode=null",
+                "hardware.vllm.extra_args=[--max-num-seqs,'8','--kv-cache-dtype=fp8',"
+                "--attention_backend,TRITON_MLA,--compilation-config,"
+                '\'{"cudagraph_mode": "PIECEWISE", "level": 3}\']',
+            ]
+        )
+    )
+    v = cfg.hardware.vllm
+    assert (v.attention_backend, v.kv_cache_dtype, v.cudagraph_mode) == (
+        "TRITON_MLA",
+        "fp8",
+        "PIECEWISE",
+    )
+    args = command_line(cfg, "target", engine_args(cfg, 4096), 8000)
+    assert args.count("--attention-backend") == args.count("--kv-cache-dtype") == 1
+    assert args.count("--compilation-config") == 1
+    config = json.loads(args[args.index("--compilation-config") + 1])
+    assert config == {"level": 3, "cudagraph_mode": "PIECEWISE"}
+    assert v.extra_args[:2] == ["--max-num-seqs", "8"]
+
+
+def test_nvidia_smi_names_map_to_their_compute_capability():
+    from runner.serving.settings import capability_of
+
+    assert capability_of("NVIDIA RTX PRO 6000 Blackwell Server Edition") == "12.0"
+    assert capability_of("NVIDIA GeForce RTX 5090") == "12.0"
+    assert capability_of("NVIDIA H100 80GB HBM3") == "9.0"
+    assert capability_of("NVIDIA A100-SXM4-80GB") == "8.0"
+    assert capability_of("NVIDIA GB200") == "10.0" and capability_of("B200") == "10.0"
+    assert capability_of("NVIDIA RTX 6000 Ada Generation") is None  # not the PRO 6000
+
+
+def test_an_fp8_kv_cache_on_a_cpu_without_avx512_is_refused_in_the_plan(tmp_path, monkeypatch):
+    import runner.serving.settings as settings
+
+    monkeypatch.setattr(settings, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    with pytest.raises(ConfigError) as refused:
+        run_job(
+            compose(
+                [
+                    "hardware.vllm.kv_cache_dtype=fp8_e5m2",
+                    "run.plan_only=true",
+                    f"run.output_root={tmp_path}",
+                ]
+            )
+        )
+    assert refused.value.key == "hardware.vllm.kv_cache_dtype"
+    assert "AVX-512" in refused.value.message
+
+
+def test_every_flag_and_variable_a_server_gets_is_part_of_its_stages_keys(tmp_path):
+    """A stored extraction, regeneration or evaluation is reused only for the servers it was
+    measured on: another flag in extra_args, a serving setting written as a flag, or another
+    variable in hardware.env or hardware.vllm.env is another key; a variable that only says how
+    much to log or where threads run is not."""
+    from stages import REGISTRY
+
+    base = ["extract=vllm", "regenerate=vllm", "run.plan_only=true", f"run.output_root={tmp_path}"]
+    facts = run_job(compose(base)).target.facts
+    stages = {s.name: s for s in REGISTRY if s.name in ("extract", "regenerate", "evaluate")}
+
+    def keys(*overrides: str) -> dict[str, Any]:
+        cfg = typed(compose([*base, *overrides]))
+        return {name: s.key_config(cfg, facts) for name, s in stages.items()}
+
+    before = keys()
+    for change in (
+        "hardware.vllm.extra_args=[--max-num-seqs,'4']",
+        "hardware.vllm.extra_args=[--kv-cache-dtype,bfloat16]",
+        "+hardware.vllm.env.VLLM_USE_V2_MODEL_RUNNER=1",
+        "+hardware.env.VLLM_FLOAT32_MATMUL_PRECISION=high",
+    ):
+        after = keys(change)
+        assert all(after[n] != before[n] for n in stages), change
+    train = next(s for s in REGISTRY if s.name == "train")
+    changed = typed(compose([*base, "+hardware.env.NCCL_ALGO=Ring"]))
+    assert train.key_config(changed, facts) != train.key_config(typed(compose(base)), facts)
+    for harmless in (
+        "+hardware.env.NCCL_DEBUG=INFO",
+        "+hardware.vllm.env.VLLM_CPU_KVCACHE_SPACE=1",
+    ):
+        assert keys(harmless) == before, harmless

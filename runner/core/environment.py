@@ -115,3 +115,36 @@ def check_env(key: str, env: dict[str, str], allow_loader: bool) -> None:
         problem = check(str(value)) if check else None
         if problem:
             raise ConfigError(where, f"{value!r} is not what {name} takes: {problem}")
+
+
+# Variables that say how much to log or where to run, never what is computed: left out of stage
+# keys, so that turning on NCCL's debug log or moving vLLM's CPU threads reuses what is stored.
+# Every other variable a stage's processes get is part of its key (an NCCL algorithm sums in
+# another order; a vLLM variable can pick another kernel).
+NOT_IN_KEY_PREFIXES = ("NCCL_DEBUG", "VLLM_CPU_", "TORCH_SHOW_", "TQDM_", "HF_HUB_")
+NOT_IN_KEY = frozenset(
+    {
+        "VLLM_LOGGING_LEVEL",
+        "VLLM_CONFIGURE_LOGGING",
+        "VLLM_LOG_STATS_INTERVAL",
+        "TRANSFORMERS_VERBOSITY",
+        "TOKENIZERS_PARALLELISM",
+        "CUDA_VISIBLE_DEVICES",
+        "OMP_NUM_THREADS",
+        "MLFLOW_TRACKING_URI",
+        *HARMLESS,
+    }
+)
+
+
+def keyed(*envs: dict[str, str]) -> dict[str, str]:
+    """The variables of `envs` (later ones win) that can change what a stage computes, sorted:
+    what a stage's key records of the environment its processes get."""
+    merged: dict[str, str] = {}
+    for env in envs:
+        merged.update({str(k): str(v) for k, v in env.items()})
+    return {
+        k: merged[k]
+        for k in sorted(merged)
+        if k not in NOT_IN_KEY and not k.startswith(NOT_IN_KEY_PREFIXES)
+    }

@@ -36,10 +36,11 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from runner.core.environment import check_env
+from runner.core.environment import check_env, keyed
 from runner.core.errors import ConfigError
 from runner.core.layer_ids import CAPTURE_PRESETS
 from runner.core.number_format import choose_dtype
+from runner.core.serving_flags import fold
 
 # Bytes per value of each dtype the target may run (and hidden states may be stored) in.
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -407,6 +408,19 @@ class HardwareConfig:
     allow_loader_env: bool = False
     # The vLLM server the extract (backend vllm) and evaluate stages start.
     vllm: VllmLaunchConfig = field(default_factory=VllmLaunchConfig)
+
+    def server_key(self, target_only: bool = False) -> dict[str, Any]:
+        """What a stage's key records of the servers it starts: the serving settings (typed or
+        folded from extra_args), the other flags of extra_args, and every environment variable
+        the server gets that can change what it computes (runner/core/environment.py keyed).
+        Empty when none is set, so that keys from before these entries stay valid."""
+        env = keyed(self.env, self.vllm.env)
+        serving = self.vllm.serving(target_only)
+        return {
+            **({"serving": serving} if serving else {}),
+            **({"server_args": list(self.vllm.extra_args)} if self.vllm.extra_args else {}),
+            **({"env": env} if env else {}),
+        }
 
     def check(self) -> None:
         check_env("hardware.env", self.env, self.allow_loader_env)
@@ -1046,9 +1060,12 @@ def typed(
 
 def _resolved(cfg: RunnerConfig) -> RunnerConfig:
     """hardware.dtype: auto -> this machine's own format (runner/core/number_format.py), so that
-    every stage, key and figure sees the format it computes in."""
+    every stage, key and figure sees the format it computes in; serving flags folded."""
     if cfg.hardware.dtype == Dtype.auto:
         cfg.hardware.dtype = Dtype(choose_dtype(str(cfg.hardware.device)).dtype)
+    # Serving settings written as flags in hardware.vllm.extra_args are the typed keys'
+    # (runner/core/serving_flags.py): every check and key reads them in one place.
+    fold(cfg.hardware.vllm, cfg.hardware.env)
     return cfg
 
 

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from typing import Any
 
+from runner.core.number_format import cpu_flags
 from runner.core.schema import HardwareConfig, VllmLaunchConfig
+from runner.core.serving_flags import carries_compilation_config
 
 # vLLM 0.32.0's names (AttentionBackendEnum, CacheDType, CUDAGraphMode): checked against when the
 # installed vLLM cannot be asked (another vLLM through hardware.vllm.command, or none here).
@@ -70,7 +73,8 @@ def target_flags(v: VllmLaunchConfig) -> list[str]:
         flags += ["--attention-backend", v.attention_backend]
     if v.kv_cache_dtype:
         flags += ["--kv-cache-dtype", v.kv_cache_dtype]
-    if v.cudagraph_mode:
+    if v.cudagraph_mode and not carries_compilation_config(v.extra_args):
+        # (a compilation config in extra_args carries the mode itself: serving_flags.fold)
         flags += ["--compilation-config", json.dumps({"cudagraph_mode": v.cudagraph_mode})]
     return flags
 
@@ -87,12 +91,26 @@ def draft_fields(v: VllmLaunchConfig, mla: bool) -> dict[str, Any]:
     return fields
 
 
+def _words(name: str) -> str:
+    """'NVIDIA GeForce RTX 5090' -> ' RTX 5090 ': upper case, dashes and underscores as
+    spaces, the maker's words dropped, padded for whole-word matches."""
+    text = re.sub(r"[-_/]", " ", name.upper())
+    text = re.sub(r"\b(NVIDIA|GEFORCE|TESLA)\b", " ", text)
+    return f" {' '.join(text.split())} "
+
+
+def capability_of(gpu_kind: str | None) -> str | None:
+    """The compute capability of a card named as the presets name it ("RTX PRO 6000") or as
+    `nvidia-smi` prints it ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "NVIDIA
+    H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"): the longest known name among its words."""
+    words = _words(gpu_kind or "")
+    found = [name for name in CAPABILITY if _words(name) in words]
+    return CAPABILITY[max(found, key=len)] if found else None
+
+
 def capability(hw: HardwareConfig) -> str | None:
     """hardware.compute_capability, else what hardware.gpu_kind is known to have."""
-    if hw.compute_capability:
-        return hw.compute_capability
-    kind = (hw.gpu_kind or "").upper().replace("NVIDIA", "").strip()
-    return next((cc for name, cc in CAPABILITY.items() if name.upper() == kind), None)
+    return hw.compute_capability or capability_of(hw.gpu_kind)
 
 
 def _unknown(key: str, value: str, known: list[str] | tuple[str, ...]) -> tuple[str, str]:
@@ -149,6 +167,15 @@ def problems(
             )
         elif value and not on_cpu and value in CPU_BACKENDS:
             found.append((f"hardware.vllm.{key}", f"{value} is a CPU kernel; this run is on GPUs"))
+    quantized = (v.kv_cache_dtype or "auto").startswith(("fp8", "nvfp4"))
+    if on_cpu and quantized and not _cpu_fp8(v.kv_cache_dtype or ""):
+        found.append(
+            (
+                "hardware.vllm.kv_cache_dtype",
+                f"{v.kv_cache_dtype}: vLLM's CPU build keeps an fp8 KV cache only on x86 with "
+                "AVX-512 or AMX, and nvfp4 never; this CPU has neither. Set auto (or null)",
+            )
+        )
     if v.cudagraph_mode not in (None, "NONE") and on_cpu:
         found.append(
             (
@@ -185,12 +212,34 @@ def problems(
     return found
 
 
+def _cpu_fp8(kv_cache_dtype: str) -> bool:
+    """Whether vLLM's CPU build can keep this quantized KV cache on this CPU (x86 with AVX-512
+    or AMX; never nvfp4)."""
+    flags = cpu_flags()
+    return kv_cache_dtype.startswith("fp8") and any(f.startswith(("avx512f", "amx")) for f in flags)
+
+
 def silent_zero(hw: HardwareConfig) -> list[tuple[str, str]]:
-    """The combination known to serve a draft with zero acceptance and no error."""
+    """The combination known to serve a draft with zero acceptance and no error; a card whose
+    capability is not known when that combination is asked for."""
     v = hw.vllm
     cc = capability(hw)
     quantized = (v.kv_cache_dtype or "auto").startswith(("fp8", "nvfp4"))
-    if not (cc and quantized and v.attention_backend):
+    if not (quantized and v.attention_backend):
+        return []
+    risky = any(v.attention_backend == backend for backend, _ in SILENT_ZERO)
+    if cc is None and risky and hw.device == "cuda":
+        return [
+            (
+                "hardware.compute_capability",
+                f"{v.attention_backend} with KV cache dtype {v.kv_cache_dtype} gives zero "
+                "acceptance on some GPUs, and hardware.gpu_kind "
+                f"({hw.gpu_kind or 'unset'}) is not a card the runner knows; set "
+                "hardware.compute_capability (`nvidia-smi --query-gpu=compute_cap "
+                "--format=csv`)",
+            )
+        ]
+    if cc is None:
         return []
     major = int(cc.split(".")[0])
     for backend, bad_major in SILENT_ZERO:

@@ -141,8 +141,9 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         **({"heldout": "multi-turn"} if HELDOUT in prompt_sources(cfg) else {}),
         # Measured on a server the runner did not start: another measurement than its own.
         **({"endpoint": cfg.hardware.vllm.endpoint} if cfg.hardware.vllm.endpoint else {}),
-        # Another kernel or KV cache dtype is another measurement (unset: as before they were).
-        **({"serving": cfg.hardware.vllm.serving()} if cfg.hardware.vllm.serving() else {}),
+        # Another kernel, KV cache dtype, server flag or variable is another measurement
+        # (unset: as before they were).
+        **cfg.hardware.server_key(),
     }
 
 

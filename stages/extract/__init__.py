@@ -65,12 +65,9 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
             if cfg.extract.backend == "vllm"
             else {}
         ),
-        # The target's kernel and KV cache dtype change the states a server captures.
-        **(
-            {"serving": cfg.hardware.vllm.serving(target_only=True)}
-            if cfg.extract.backend == "vllm" and cfg.hardware.vllm.serving(target_only=True)
-            else {}
-        ),
+        # The target's kernel, KV cache dtype, other flags and variables change the states a
+        # server captures.
+        **(cfg.hardware.server_key(target_only=True) if cfg.extract.backend == "vllm" else {}),
     }
 
 

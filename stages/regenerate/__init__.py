@@ -87,12 +87,9 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         "dtype": cfg.hardware.dtype,
         # Paged attention's kernels differ again (named only when on: older keys stay valid).
         **({"continuous_batching": True} if r.continuous_batching else {}),
-        # vLLM's kernel and KV cache dtype change its greedy output too (unset: as before).
-        **(
-            {"serving": cfg.hardware.vllm.serving(target_only=True)}
-            if r.backend == "vllm" and cfg.hardware.vllm.serving(target_only=True)
-            else {}
-        ),
+        # vLLM's kernel, KV cache dtype, flags and variables change its greedy output too
+        # (unset: as before).
+        **(cfg.hardware.server_key(target_only=True) if r.backend == "vllm" else {}),
     }
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.assets.target_facts import ModelFacts
+from runner.core.environment import keyed
 from runner.core.errors import StageError
 from runner.core.interrupts import Interrupted
 from runner.core.schema import RunnerConfig
@@ -93,6 +94,9 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         # Every rank of every node: the batches each sees depend on the world size.
         "ranks": cfg.train_ranks() * cfg.hardware.num_nodes,
     }
+    env = keyed(cfg.hardware.env)
+    if env:  # what the ranks get that can change what they compute (unset: as before)
+        key["env"] = env
     if len(facts.aux_layers) != 3:
         # Drafts of other than three layers exported before their config told vLLM the count
         # (runner/integrations/vllm.py, servable_draft_config) do not load in vLLM: trained anew.
