@@ -204,6 +204,8 @@ def tiny_overrides(
         f"data.num_samples={samples}",
         "data.max_seq_len=96",
         "data.min_assistant_tokens=4",
+        # No held-out set (it keeps conversations from training): a test that evaluates it says so.
+        "eval.prompts=[mtbench,humaneval]",
         *([f"vocab.draft_vocab_size={vocab}"] if vocab else []),
         f"train.max_steps={steps}",
         "train.epochs=1",

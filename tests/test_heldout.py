@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from runner.assets.chat import render
 from runner.assets.prompts import messages, shown, user_turns
-from runner.core.errors import StageError
+from runner.core.errors import ConfigError, StageError
 from runner.core.schema import typed
 from stages.evaluate.heldout import consumed, heldout_prompts
 from stages.evaluate.prompt_sets import fits_in
@@ -111,3 +111,54 @@ def test_with_regenerate_the_bound_is_what_regenerate_read():
     assert consumed(manifest, None) == 12
     metrics = {"conversations": 14, "conversations_failed": 1, "skipped": {"prompt_too_long": 2}}
     assert consumed(manifest, metrics) == 17
+
+
+def test_the_held_out_room_is_kept_by_prepare_and_checked_by_the_plan(
+    tiny_model_dir, questions, tmp_path
+):
+    """data.hold_out conversations at the end of the order are never read for training, however
+    many rows are asked or dropped, so no stage can use them up after the plan said yes. The
+    plan refuses a room of none, or one that takes the whole source, and says what a room
+    smaller than eval.num_prompts, or a source shorter than asked, will give."""
+    every = "run.stages=[prepare,extract,vocab,train,evaluate]"
+
+    def over(samples: int, *extra: str) -> list[str]:
+        return tiny_overrides(
+            tiny_model_dir,
+            questions,
+            tmp_path,
+            "model.capture_layers=[0,2,3]",
+            "eval.prompts=[heldout]",
+            "eval.num_prompts=8",
+            "data.hold_out=10",
+            every,
+            *extra,
+            samples=samples,
+        )
+
+    def planned(samples: int, *extra: str) -> str:
+        return run_job(compose(over(samples, *extra, "run.plan_only=true"))).plan.render()
+
+    # 35 of 40 asked, 10 kept: prepare may read 30, which the plan says.
+    assert "WARNING  data.num_samples: 35 rows asked of questions, but only 30 of the 30" in (
+        planned(35)
+    )
+    # A row length that drops conversations (those of two-digit questions, 39 prompt tokens,
+    # leave no room for 4 answer tokens in 42): counted in order in what prepare may read.
+    short = planned(30, "data.max_seq_len=42")
+    assert "WARNING  data.num_samples" in short and "data.max_seq_len=42" in short
+    # A room smaller than the prompts asked gives fewer: said, not refused.
+    assert "WARNING  data.hold_out: the held-out set has room for 10 prompts" in planned(
+        20, "eval.num_prompts=12"
+    )
+    # No room, or all of it: refused, naming data.hold_out.
+    for room, said in (("0", "0 conversations kept"), ("40", "all 40 usable conversations")):
+        with pytest.raises(ConfigError) as refused:
+            planned(20, f"data.hold_out={room}")
+        assert refused.value.key == "data.hold_out" and said in refused.value.message
+    # Asked all it may read, prepare stops before the room: the held-out prompts are the room's.
+    prepared = run_job(compose(over(30, "run.stages=[prepare]"))).results["prepare"]
+    manifest = json.loads((prepared.path / "manifest.json").read_text())
+    assert manifest["sources"][0]["conversations_read"] == 30
+    prompts = heldout_prompts(typed(compose(over(30))), 8, consumed(manifest, None))
+    assert len(prompts) == 8

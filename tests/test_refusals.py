@@ -264,10 +264,11 @@ def test_an_unsizable_quantization_is_stated_not_refused(tmp_path):
 
 
 def test_a_failed_stage_leaves_no_locks_or_empty_folders(tmp_path, tiny_model_dir):
-    # Every row loses its answer to the cut: prepare fails after it started.
+    # Every answer is shorter than the tokens asked of it, which only tokenising the answers
+    # shows (the plan counts prompts): prepare fails after it started.
     data = _chats(tmp_path / "c.jsonl", 6)
     with pytest.raises(ConfigError) as info:
-        extra = ("run.stages=[prepare]", "data.min_assistant_tokens=80")
+        extra = ("run.stages=[prepare]", "data.min_assistant_tokens=80", "data.max_seq_len=512")
         run_job(compose(tiny(tiny_model_dir, data, tmp_path / "out", *extra)))
     assert info.value.key == "data.source" and "few_assistant_tokens" in info.value.message
     out = tmp_path / "out"
@@ -758,37 +759,17 @@ def test_a_chat_template_that_refuses_the_datas_turns_is_named(tmp_path, tiny_mo
 EVERY_STAGE = "run.stages=[prepare,extract,vocab,train,evaluate]"
 
 
-def test_a_heldout_set_that_training_reads_up_is_refused_in_the_plan(tmp_path, tiny_model_dir):
-    # The default eval.prompts hold `heldout`: conversations training never reads. Asking for
-    # every conversation of the file leaves none, which the plan knows from the file alone.
+def test_a_heldout_set_that_takes_the_whole_source_is_refused_in_the_plan(tmp_path, tiny_model_dir):
+    # eval.prompts' `heldout` keeps the last data.hold_out conversations (200 unless set) from
+    # training: a file of 12 would leave none to train on, which the plan knows from the file.
     data = _chats(tmp_path / "c.jsonl", 12)
-    err = _refusal(tiny_model_dir, data, tmp_path / "out", EVERY_STAGE, samples=12)
-    assert err.key == "eval.prompts", err.message
-    assert "reads all 12 usable conversations" in err.message
-    assert "data.num_samples to at most 0" in err.message  # 12 less eval.num_prompts=80
-    assert "eval.prompts=[mtbench,humaneval]" in err.message
-    # Without the held-out set the same plan passes; with room for fewer than asked it warns.
-    _plan(tiny_model_dir, data, tmp_path / "out", EVERY_STAGE, "eval.prompts=[mtbench]")
-    few = _plan(tiny_model_dir, data, tmp_path / "out", EVERY_STAGE, samples=10).plan.render()
-    assert "WARNING  eval.prompts: heldout: data.num_samples=10 leaves 2 of" in few
-
-
-def test_a_source_that_prepare_reads_up_fails_the_run_before_extraction(tmp_path, tiny_model_dir):
-    # Two answers too short to train on: the plan sees 12 conversations for 11 rows (one to hold
-    # out, a warning), and only prepare learns that it must read all 12 to find 10 rows. The run
-    # then fails at once, not after training, and keeps prepare's result for the next run.
-    data = _chats(tmp_path / "c.jsonl", 10)
-    with open(data, "a") as fh:
-        for i in range(2):
-            short = [
-                {"role": "user", "content": f"Say ok ({i})"},
-                {"role": "assistant", "content": "ok"},
-            ]
-            fh.write(json.dumps({"messages": short}) + "\n")
-    out = tmp_path / "out"
-    with pytest.raises(ConfigError) as info:
-        run_job(compose(tiny(tiny_model_dir, data, out, EVERY_STAGE, samples=11)))
-    assert info.value.key == "eval.prompts", info.value.message
-    assert "found 10 of the 11 rows asked" in info.value.message
-    assert list((out / "store" / "prepare").iterdir())
-    assert not (out / "store" / "extract").exists()
+    heldout = "eval.prompts=[mtbench,humaneval,heldout]"
+    err = _refusal(tiny_model_dir, data, tmp_path / "out", EVERY_STAGE, heldout, samples=12)
+    assert err.key == "data.hold_out", err.message
+    assert "all 12 usable conversations of c are kept" in err.message
+    # Without the held-out set the same plan passes; with a room of 2 it says what it gives.
+    _plan(tiny_model_dir, data, tmp_path / "out", EVERY_STAGE)
+    few = _plan(
+        tiny_model_dir, data, tmp_path / "out", EVERY_STAGE, heldout, "data.hold_out=2", samples=10
+    ).plan.render()
+    assert "WARNING  data.hold_out: the held-out set has room for 2 prompts" in few

@@ -45,6 +45,8 @@ def data_key(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         "seed": d.seed,
         "chat_template_kwargs": template_kwargs(cfg),
         "min_assistant_tokens": d.min_assistant_tokens,
+        # The held-out room changes what prepare may read (named only when kept: older keys).
+        **({"hold_out": d.hold_out} if d.hold_out else {}),
         # Mixed sources: each one's settings, share and content.
         **(
             {

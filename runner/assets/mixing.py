@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from runner.core.errors import ConfigError
 from runner.core.schema import DataConfig
@@ -35,6 +36,13 @@ class Source:
     cfg: DataConfig
     # Usable rows asked of it.
     quota: int
+    # Conversations at the end of its shuffled order that training never reads (the held-out
+    # room, data.hold_out: the first source only).
+    hold_out: int = 0
+
+    def readable(self, conversations: list[Any]) -> list[Any]:
+        """The conversations prepare and regenerate may read: all but the held-out room."""
+        return conversations[: max(len(conversations) - self.hold_out, 0)]
 
 
 def source_name(source: str) -> str:
@@ -62,7 +70,7 @@ def sources(d: DataConfig) -> list[Source]:
     """The sources of `data`, each with its settings and share of data.num_samples."""
     if not d.sources:
         assert d.source is not None
-        return [Source(source_name(d.source), "data.source", d, d.num_samples)]
+        return [Source(source_name(d.source), "data.source", d, d.num_samples, d.hold_out or 0)]
     counts = [s.num_samples for s in d.sources]
     if any(c is None for c in counts):
         counts = apportion(d.num_samples, [float(s.weight or 0) for s in d.sources])
@@ -77,9 +85,9 @@ def sources(d: DataConfig) -> list[Source]:
             column=s.column if s.column is not None else d.column,
             revision=s.revision if s.revision is not None else d.revision,
         )
-        out.append(
-            Source(s.name or source_name(s.source), f"data.sources[{i}]", cfg, cfg.num_samples)
-        )
+        name = s.name or source_name(s.source)
+        room = (d.hold_out or 0) if i == 0 else 0
+        out.append(Source(name, f"data.sources[{i}]", cfg, cfg.num_samples, room))
     names = [s.name for s in out]
     if len(set(names)) != len(names):
         raise ConfigError("data.sources", f"two sources share a name ({names}); give each a name")

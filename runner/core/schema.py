@@ -558,6 +558,12 @@ class DataConfig:
     # multimodal targets such as Kimi-K2.5). Drafts train on text only: refuse (default) names the
     # first such row; drop_media trains on the text parts and reports how many parts were dropped.
     multimodal: Multimodal = Multimodal.refuse
+    # Conversations at the end of the first source's shuffled order that prepare and
+    # regenerate never read: the room of the held-out prompt set (eval.prompts' heldout).
+    # null: 200 when the evaluation serves heldout for a draft trained here, else 0. Its
+    # prompts come from this room, so eval.num_prompts may not exceed it; it does not change
+    # with the evaluation's settings, so a sweep over them reuses prepare and training.
+    hold_out: int | None = None
     # Processes that tokenise (chat templates are pure Python: ~130 s for ShareGPT's 17.5k
     # conversations in one). null = one per 1,000 conversations asked, up to the machine's cores
     # (a process starts in a few seconds, so small runs stay in-process); 1 = in-process. Not in
@@ -566,6 +572,8 @@ class DataConfig:
 
     def check(self) -> None:
         _at_least("data.num_samples", self.num_samples, 1)
+        if self.hold_out is not None:
+            _at_least("data.hold_out", self.hold_out, 0)
         if self.num_proc is not None:
             _at_least("data.num_proc", self.num_proc, 1)
         _seed("data.seed", self.seed)
@@ -1058,11 +1066,19 @@ def typed(
     return _resolved(_moved(_typed(node, schema)))
 
 
+# Conversations kept unread for the held-out prompt set when data.hold_out is null.
+HELD_OUT_ROOM = 200
+
+
 def _resolved(cfg: RunnerConfig) -> RunnerConfig:
     """hardware.dtype: auto -> this machine's own format (runner/core/number_format.py), so that
     every stage, key and figure sees the format it computes in; serving flags folded."""
     if cfg.hardware.dtype == Dtype.auto:
         cfg.hardware.dtype = Dtype(choose_dtype(str(cfg.hardware.device)).dtype)
+    if cfg.data.hold_out is None:
+        ev = getattr(cfg, "eval", None)  # the evaluate stage's section, where it is registered
+        serves = ev is not None and "heldout" in ev.prompts and not ev.draft
+        cfg.data.hold_out = HELD_OUT_ROOM if serves else 0
     # Serving settings written as flags in hardware.vllm.extra_args are the typed keys'
     # (runner/core/serving_flags.py): every check and key reads them in one place.
     fold(cfg.hardware.vllm, cfg.hardware.env)

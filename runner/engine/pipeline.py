@@ -230,12 +230,9 @@ class Pipeline:
         force = _named(self.cfg.run.force, self.stages)
         results = []
         artifacts: dict[str, Artifact] = {}
-        for i, p in enumerate(planned):
+        for p in planned:
             try:
                 results.append(self._run_one(p, force, artifacts))
-                for later in planned[i + 1 :]:
-                    if later.action == "run" and later.stage.upstream_check is not None:
-                        later.stage.upstream_check(self.cfg, p.name, artifacts[p.name])
             except BaseException as exc:
                 stopped = as_interrupted(exc)
                 if stopped is None:

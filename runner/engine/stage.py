@@ -235,10 +235,6 @@ class Stage:
         ]
         | None
     ) = None
-    # (cfg, name, artifact) -> raises ConfigError when an earlier stage's artifact, just ready,
-    # shows that this stage cannot work: what no config file says (e.g. how many conversations
-    # prepare read) still fails the run before the stages in between (training) spend hours.
-    upstream_check: Callable[[RunnerConfig, str, Artifact], None] | None = None
     # --- report: MLflow, the summary, the sweep comparison --------------------------------------
     # Files or folders of the artifact (relative path -> MLflow folder) copied to the run.
     logged: Mapping[str, str] = field(default_factory=dict)

@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runner.assets.chat import cache_dir
 from runner.assets.prompts import shown, user_turns
 from runner.assets.sources import load_prompt_sets
 from runner.assets.target_facts import ModelFacts, target_context, weight_bytes
@@ -40,7 +39,7 @@ from runner.integrations.versions import VLLM_DISTS, versions
 from runner.serving.vllm_server import kv_capacity, shell_command
 from stages.evaluate import baseline
 from stages.evaluate.draft_fit import misfits
-from stages.evaluate.heldout import HELDOUT, after_prepare, plan_room
+from stages.evaluate.heldout import HELDOUT, plan_room
 from stages.evaluate.measures import (
     MISMATCH,
     acceptance,
@@ -697,7 +696,7 @@ def plan(p: Plan, view: PlanView) -> None:
                 "not know",
             )
         check_prompt_room(p, cfg, view, load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts))
-        plan_room(p, cfg, cache_dir(cfg))
+        plan_room(p, cfg)
     except ConfigError as exc:
         p.error(exc.key, exc.message)
     context = cfg.model.max_context or target_context(view.target.config)
@@ -811,7 +810,6 @@ STAGE = Stage(
     check_target=check_target,
     cpu_seconds=cpu_seconds,
     cpu_fit=cpu_fit,
-    upstream_check=after_prepare,
     gate=_gate,
     settings=EvalConfig,
     section="eval",

@@ -3,12 +3,13 @@ source that the draft never trained on, so that acceptance in distribution sits 
 and HumanEval's.
 
     prompts = heldout_prompts(cfg, n, used, fits)  # the last n conversations, as prompts
-    plan_room(plan, cfg, cache)  # the plan: does data.num_samples leave any? (seconds)
-    after_prepare(cfg, name, art)  # once prepare is done: did it leave any? (before training)
+    plan_room(plan, cfg)  # in the plan: is there a room, and does it hold eval.num_prompts?
 
 prepare (and regenerate) read the first source's conversations in one shuffled order (data.seed)
-from its start until they have their rows; the held-out ones are the last `n` of that order,
-never closer to the start than `consumed`, the conversations read before them.
+from its start until they have their rows, never into its last data.hold_out conversations (the
+held-out room); the held-out prompts are the last `n` of that order, never closer to the start
+than `consumed`, the conversations read before them. Because the room is kept by construction,
+no amount of dropped rows or regeneration can use it up after the plan said yes.
 
 Each prompt is its conversation up to its last user turn, the data's own answers to the earlier
 turns included (multi-turn: the context a served draft meets in a chat), or, where that does not
@@ -20,15 +21,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from runner.assets.conversations import read_conversations, usable_count
+from runner.assets.conversations import read_conversations
 from runner.assets.mixing import sources
 from runner.assets.prompts import Prompt
-from runner.core.errors import ConfigError, StageError
+from runner.core.errors import StageError
 from runner.core.schema import RunnerConfig
-from runner.engine.stage import Plan
 
 log = logging.getLogger("runner")
 HELDOUT = "heldout"
@@ -108,52 +107,25 @@ def _leave_out(cfg: RunnerConfig) -> str:
     return f"or leave heldout out (eval.prompts=[{rest}])"
 
 
-def plan_room(p: Plan, cfg: RunnerConfig, cache: Path) -> None:
-    """Before anything runs: an error when data.num_samples leaves none of the first source's
-    conversations unread, a warning when it leaves fewer than eval.num_prompts. Known for a
-    packaged or local source; a hub dataset's size is learnt by prepare (after_prepare)."""
+def plan_room(p: Any, cfg: RunnerConfig) -> None:
+    """In the plan, before anything loads: the held-out set's prompts come from its room (the
+    last data.hold_out conversations of the first source's shuffled order, which prepare and
+    regenerate never read), so a room of none is refused and one smaller than eval.num_prompts
+    gives fewer prompts, said now. (That the rest of the source gives the rows asked is
+    prepare's plan's to count.)"""
     if not wanted(cfg):
         return
-    first = sources(cfg.data)[0]
-    total = usable_count(first.cfg, cache)
-    if total is None:
-        return
-    spare = total - first.quota
-    most = max(total - cfg.eval.num_prompts, 0)
-    if spare <= 0:
+    room = sources(cfg.data)[0].hold_out
+    if room == 0:
         p.error(
-            "eval.prompts",
-            f"heldout serves conversations training never read, but data.num_samples="
-            f"{first.quota} reads all {total:,} usable conversations of {first.name}; set "
-            f"data.num_samples to at most {most:,} ({total:,} less eval.num_prompts="
-            f"{cfg.eval.num_prompts}, and prepare reads on past every row it drops), "
-            + _leave_out(cfg),
+            "data.hold_out",
+            "0 conversations kept for the held-out set, which eval.prompts names: set "
+            f"data.hold_out (e.g. {cfg.eval.num_prompts}, eval.num_prompts; prepare then reads "
+            "other conversations: training changes) " + _leave_out(cfg),
         )
-    elif spare < cfg.eval.num_prompts:
+    elif room < cfg.eval.num_prompts:
         p.warn(
-            "eval.prompts",
-            f"heldout: data.num_samples={first.quota} leaves {spare} of {first.name}'s {total:,} "
-            f"conversations unread, fewer than eval.num_prompts={cfg.eval.num_prompts} (and "
-            "fewer still after prepare reads on past the rows it drops)",
+            "data.hold_out",
+            f"the held-out set has room for {room} prompts, fewer than eval.num_prompts="
+            f"{cfg.eval.num_prompts}: its interval will be wider",
         )
-
-
-def after_prepare(cfg: RunnerConfig, name: str, art: Any) -> None:
-    """The evaluate stage's upstream check: once prepare is done, a first source that ran out
-    (fewer rows than asked: every conversation read) leaves nothing held out, so the run fails
-    now, not after training."""
-    if name != "prepare" or not wanted(cfg):
-        return
-    src = (art.manifest.get("sources") or [{}])[0]
-    rows, asked = src.get("rows"), src.get("asked")
-    if rows is None or asked is None or rows >= asked:
-        return
-    raise ConfigError(
-        "eval.prompts",
-        f"heldout serves conversations training never read, but prepare read every "
-        f"conversation of {src.get('name', 'the first source')} ({src.get('conversations_read')}"
-        f") and found {rows:,} of the {asked:,} rows asked, so none is left; set "
-        f"data.num_samples to at most {max(rows - cfg.eval.num_prompts, 0):,}, "
-        + _leave_out(cfg)
-        + " (this prepare result is kept for that run)",
-    )

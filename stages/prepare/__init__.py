@@ -44,9 +44,11 @@ from runner.assets.chat import (
     tokenizer_at,
 )
 from runner.assets.conversations import (
+    data_fingerprint,
     hub_problem,
     inspect_local,
     read_conversations,
+    usable_count,
 )
 from runner.assets.mixing import Source, about, interleave, key_of, sources
 from runner.assets.plan_tokenizer import plan_tokenizer, remembered
@@ -253,7 +255,9 @@ def _take(src: Source, tok: Any, kwargs: dict, bar: Any, pool: Pool | None) -> d
     # Rows dropped while reading (read.dropped) and here, by reason.
     dropped = Counter({"template_mismatch": 0, "truncated": 0, "few_assistant_tokens": 0})
     truncated = multi_turn = used = 0
-    tokenized = _refusals_named(_tokenized(read.turns, tok, d.max_seq_len, kwargs, pool), src)
+    # Never into the held-out room (a regenerated source holds only what regenerate read).
+    turns = src.readable(read.turns)
+    tokenized = _refusals_named(_tokenized(turns, tok, d.max_seq_len, kwargs, pool), src)
     for turns, out in tokenized:
         if len(rows) >= src.quota:
             break
@@ -274,12 +278,16 @@ def _take(src: Source, tok: Any, kwargs: dict, bar: Any, pool: Pool | None) -> d
         bar.update(1)
     tokenized.close()  # cancels what is still queued
     if len(rows) < src.quota:
+        room = f", {src.hold_out} kept unread for the held-out set (data.hold_out)"
         log.warning(
-            "prepare: only %d usable rows of %d asked from %s (%s)",
+            "prepare: only %d usable rows of %d asked from %s (%s): read all %d conversations "
+            "it may%s",
             len(rows),
             src.quota,
             src.name,
             src.key,
+            len(turns),
+            room if src.hold_out else "",
         )
     return {
         "rows": rows,
@@ -331,6 +339,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                     revision=None,
                     shuffle=False,
                 ),
+                hold_out=0,  # regenerate left the room out already
             )
             for i, src in enumerate(mix)
         ]
@@ -449,6 +458,8 @@ def plan(p: Plan, view: PlanView) -> None:
             + f" (shuffled together, seed {view.cfg.data.seed})",
         )
     system = [src for src in mix if _plan_source(p, src, cache_dir(view.cfg))]
+    for src in mix:
+        _plan_rows(p, view.cfg, view.target, src)
     if system:
         problem = _system_turn_problem(view.cfg, view.target)
         if problem:
@@ -462,6 +473,99 @@ def plan(p: Plan, view: PlanView) -> None:
 
 
 SYSTEM_TURN = [{"role": "system", "content": "Be brief."}, *ONE_TURN]
+
+
+def first_prompt(turns: list[dict[str, str]]) -> list[dict[str, str]] | None:
+    """The turns before the first assistant turn that answers a user turn: the prompt of the
+    first answer a row supervises (None: the conversation has none)."""
+    for j, turn in enumerate(turns):
+        if turn["role"] == "assistant" and j and turns[j - 1]["role"] == "user":
+            return turns[:j]
+    return None
+
+
+def fitting_rows(cfg: RunnerConfig, target: Target, src: Source) -> dict[str, int] | None:
+    """How many of the conversations `src` may read (all but the held-out room) leave room for
+    an answer within data.max_seq_len, counted in prepare's order until its quota (so a plan
+    pays for what prepare will read, not for the whole source); regenerate selects by the same
+    rule. Remembered per content, tokenizer and settings; None for a hub dataset or a tokenizer
+    the plan cannot load."""
+    d = src.cfg
+    kwargs = template_kwargs(cfg)
+    if usable_count(d, cache_dir(cfg)) is None:
+        return None  # a hub dataset: prepare learns its size
+
+    def measure() -> dict[str, int] | None:
+        found = plan_tokenizer(cfg, target)
+        if found is None:
+            return None
+        tok = found[0]
+        room = d.max_seq_len - max(d.min_assistant_tokens, 1)
+        convs = src.readable(read_conversations(d).turns)
+        fit = seen = 0
+        for turns in convs:
+            if fit >= src.quota:
+                break
+            seen += 1
+            first = first_prompt(turns)
+            if first is None:
+                continue
+            text = tok.apply_chat_template(
+                first, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+            # A token is at least a byte: a prompt of fewer bytes than the room fits unread.
+            if len(text.encode()) <= room or len(render(tok, first, True, kwargs)) <= room:
+                fit += 1
+        return {"fit": fit, "seen": seen, "readable": len(convs)}
+
+    parts = [
+        data_fingerprint(d, cache_dir(cfg)),
+        d.column,
+        d.seed,
+        d.shuffle,
+        d.max_seq_len,
+        d.min_assistant_tokens,
+        kwargs,
+        src.hold_out,
+        src.quota,
+    ]
+    return remembered(cfg, target, "fitting_rows", parts, measure)
+
+
+def _plan_rows(p: Plan, cfg: RunnerConfig, target: Target, src: Source) -> None:
+    """Counts, before anything runs, the rows the source gives at this row length: none is
+    refused (prepare would fail), fewer than asked is said (prepare reads every conversation it
+    may and trains on what it found)."""
+    try:
+        counted = fitting_rows(cfg, target, src)
+    except Exception as exc:  # a template that fails on a row is the template check's to name
+        log.debug("prepare: rows not counted (%s)", exc)
+        return
+    if counted is None or counted["fit"] >= src.quota:
+        return
+    if counted["readable"] == 0 and src.hold_out:
+        p.error(
+            "data.hold_out",
+            f"all {usable_count(src.cfg, cache_dir(cfg)) or 0:,} usable conversations of "
+            f"{src.name} are kept for the held-out set (data.hold_out={src.hold_out}): set "
+            "data.hold_out below that, or leave heldout out of eval.prompts",
+        )
+        return
+    room = (
+        f" (all but the {src.hold_out} at its end kept for the held-out set, data.hold_out)"
+        if src.hold_out
+        else ""
+    )
+    said = (
+        f"{src.quota:,} rows asked of {src.name}, but only {counted['fit']:,} of the "
+        f"{counted['readable']:,} conversations prepare may read{room} leave room for an answer "
+        f"within data.max_seq_len={src.cfg.max_seq_len}"
+    )
+    lower = f"lower data.min_assistant_tokens={src.cfg.min_assistant_tokens}"
+    if counted["fit"] == 0:
+        p.error(key_of(src, "data.max_seq_len"), f"{said}: raise data.max_seq_len or {lower}")
+    else:
+        p.warn(key_of(src, "data.num_samples"), f"{said}: prepare trains on what it finds")
 
 
 def _system_turn_problem(cfg: RunnerConfig, target: Target) -> str | None:

@@ -340,7 +340,7 @@ def _select(cfg: RunnerConfig, tok: Any, kwargs: dict[str, Any]) -> tuple[list[J
     skipped: Counter = Counter()
     for i, src in enumerate(sources(d)):
         with about(src):
-            convs = read_conversations(src.cfg).turns
+            convs = src.readable(read_conversations(src.cfg).turns)  # never the held-out room
         taken = 0
         for turns in convs:
             if taken >= src.quota:
