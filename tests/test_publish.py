@@ -312,3 +312,31 @@ def test_the_card_gives_the_acceptance_with_its_interval_and_where_it_was_measur
     assert "random draft" not in card  # no column of dashes where none was measured
     assert "Measured on 8x RTX PRO 6000" in card and "validation loss 2.500" in card
     assert "speculators 0.9.0" in card and "## Limitations" in card
+
+
+def test_a_link_out_of_the_draft_folder_is_never_shipped(trained, tmp_path, capsys):
+    """A file in the draft's folder linked to something outside it (here a file of the host's)
+    is refused by publish and by pack, naming the file; nothing is written. A link that stays
+    inside ships as the file it points to."""
+    from runner.assets.transfer import main as transfer
+
+    draft = next((trained / "store" / "train").glob("*/draft"))
+    secret = tmp_path / "host_secret.txt"
+    secret.write_text("this machine's own\n")
+    link = draft / "notes.txt"
+    link.symlink_to(secret)
+    try:
+        assert publish([str(tmp_path / "pub"), "--output-root", str(trained)]) == 1
+        assert transfer(["pack", str(draft), str(tmp_path / "p"), "--target", "x"]) == 1
+        said = capsys.readouterr().err
+        assert said.count("notes.txt is a link to") == 2 and "outside" in said, said
+        assert not (tmp_path / "pub").exists() and not (tmp_path / "p.packed").exists()
+        link.unlink()
+        link.symlink_to("config.json")  # inside: copied as the file
+        assert publish([str(tmp_path / "pub"), "--output-root", str(trained)]) == 0
+        shipped = tmp_path / "pub" / "notes.txt"
+        assert (
+            not shipped.is_symlink() and shipped.read_text() == (draft / "config.json").read_text()
+        )
+    finally:
+        link.unlink(missing_ok=True)

@@ -650,6 +650,25 @@ def test_a_target_whose_weights_disagree_with_its_config_is_refused_in_the_plan(
     err = _refusal(sharded, data, tmp_path / "out")
     assert err.key == "model.source" and shards[-1].name in err.message, err.message
     assert "model.safetensors.index.json" in err.message
+    # A wider MLP than the weights hold: every tensor's shape against what config.json makes.
+    mlp = shutil.copytree(tiny_model_dir, tmp_path / "wider_mlp")
+    conf = json.loads((mlp / "config.json").read_text())
+    conf["intermediate_size"] *= 2
+    (mlp / "config.json").write_text(json.dumps(conf))
+    err = _refusal(mlp, data, tmp_path / "out")
+    assert err.key == "model.source" and "mlp." in err.message, err.message
+    assert f"is [{conf['intermediate_size'] // 2}, 64]" in err.message or "[64, 128]" in err.message
+    # A weights file shorter than its own header says (a copy cut short).
+    cut = shutil.copytree(tiny_model_dir, tmp_path / "cut_short")
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4096])
+    err = _refusal(cut, data, tmp_path / "out")
+    assert err.key == "model.source" and "was cut short" in err.message, err.message
+    # A generation_config.json that is not JSON, read by the engines only after the weights.
+    garbled = shutil.copytree(tiny_model_dir, tmp_path / "garbled")
+    (garbled / "generation_config.json").write_text("{not json")
+    err = _refusal(garbled, data, tmp_path / "out")
+    assert err.key == "model.source" and "generation_config.json is not JSON" in err.message
 
 
 def test_a_draft_made_for_another_target_is_refused_before_any_server_starts(

@@ -144,8 +144,9 @@ def test_a_published_draft_serves_with_the_command_in_its_card(runs, root, tmp_p
 
 def test_a_draft_packed_here_and_unpacked_elsewhere_evaluates_alike(runs, root, tmp_path):
     """Trained on one box, evaluated on another: the packed draft (without the target's
-    embeddings) is unpacked against this box's target and evaluated alone (eval.draft), with the
-    same acceptance as the run that trained it."""
+    embeddings) unpacked against this box's target is the trained draft again, every tensor to
+    the bit, so vLLM serves it as the run that trained it did; an evaluation of it alone
+    (eval.draft) is planned. (Serving a draft from a folder, eval.draft, is the e2e lane's.)"""
     from runner.assets.transfer import main as transfer
 
     trained = runs["vllm"]
@@ -154,23 +155,14 @@ def test_a_draft_packed_here_and_unpacked_elsewhere_evaluates_alike(runs, root, 
     packed, back = tmp_path / "draft.packed", tmp_path / "unpacked"
     assert transfer(["pack", str(draft), str(packed), "--target", target]) == 0
     assert transfer(["unpack", str(packed), str(back), "--target", target]) == 0
-    alone = run_job(
-        compose(
-            [
-                *REDUCED,
-                f"run.output_root={root}",
-                f"eval.draft={back}",
-                "run.stages=[evaluate]",
-                "run.name=elsewhere",
-            ]
-        )
-    )
-    assert alone.stages == {"evaluate": "computed"}
-    print(
-        f"acceptance length: trained here {trained.objective:.3f}, packed and unpacked "
-        f"{alone.objective:.3f}"
-    )
-    assert abs(alone.objective - trained.objective) <= 0.01
+    mine, theirs = (load_file(str(d / "model.safetensors")) for d in (draft, back))
+    assert sorted(mine) == sorted(theirs)
+    assert all(torch.equal(mine[k], theirs[k]) and mine[k].dtype == theirs[k].dtype for k in mine)
+    config = json.loads((draft / "config.json").read_text())
+    assert json.loads((back / "config.json").read_text()) == config
+    alone = [*REDUCED, f"run.output_root={root}", f"eval.draft={back}", "run.stages=[evaluate]"]
+    planned = run_job(compose([*alone, "run.name=elsewhere", "run.plan_only=true"])).plan
+    assert not planned.errors, planned.render()
 
 
 def test_vllm_extraction_resumes_and_redoes_unreadable_files(runs, root):
@@ -330,7 +322,7 @@ def test_two_servers_write_the_files_one_writes_and_survive_losing_one(runs, roo
 # Online and offline training compared over their first ONLINE_STEPS steps, each a run of that
 # length (the learning-rate schedule spans the run): the whole epoch online took 313 s here, 2.8x
 # offline's, with the server's forward on one of the two cores.
-ONLINE_STEPS = 40
+ONLINE_STEPS = 20
 
 
 def _losses(run) -> dict[int, float]:

@@ -46,6 +46,21 @@ MARKER = "NEEDS_UNPACKING.txt"
 SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
+def refuse_links_out(folder: Path) -> None:
+    """A symlink in a folder about to be shipped that points outside it would ship whatever it
+    points to (a notes.txt linked to /etc/hostname shipped the host's name): refused, naming the
+    file. Links that stay inside the folder are copied as the files they point to."""
+    root = folder.resolve()
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink():
+            target = path.resolve()
+            if target != root and root not in target.parents:
+                raise ValueError(
+                    f"{path} is a link to {target}, outside {folder}: replace it with the file "
+                    "itself or remove it (nothing is shipped from outside the draft's folder)"
+                )
+
+
 def packed_reason(folder: Path) -> str | None:
     """Why `folder` is not a servable draft but a packed one (None if it is not packed)."""
     if (folder / MANIFEST).is_file() or (folder / MARKER).is_file():
@@ -125,6 +140,7 @@ def pack(draft: Path, out: Path, target: str | Path) -> dict[str, Any]:
 
     if packed_reason(draft):
         raise ValueError(f"{draft} is already packed")
+    refuse_links_out(draft)
     out = packed_name(out)
     files = target_files(target)
     weights = load_file(str(draft / WEIGHTS))
@@ -173,6 +189,7 @@ def unpack(packed: Path, out: Path, target: str | Path) -> dict[str, Any]:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    refuse_links_out(packed)
     if not (packed / MANIFEST).is_file():
         raise FileNotFoundError(f"{packed} is not a packed draft (no {MANIFEST})")
     record = json.loads((packed / MANIFEST).read_text())

@@ -38,7 +38,24 @@ def header(path: Path) -> dict[str, Any]:
             found = json.loads(fh.read(size))
         except ValueError as exc:
             raise ConfigError("model.source", f"{path}: its safetensors header: {exc}") from None
+    if not isinstance(found, dict):
+        raise ConfigError("model.source", f"{path}: its safetensors header is not an object")
     found.pop("__metadata__", None)
+    # The header's offsets against the file's length: a copy cut short (a download or a full
+    # disk) is named now, not when a loader reads past its end (free: one stat).
+    ends = [
+        int(info["data_offsets"][1])
+        for info in found.values()
+        if isinstance(info, dict) and len(info.get("data_offsets") or ()) == 2
+    ]
+    need = 8 + size + max(ends, default=0)
+    have = path.stat().st_size
+    if have < need:
+        raise ConfigError(
+            "model.source",
+            f"{path} is {have:,} bytes, but its header places tensors up to byte {need:,}: the "
+            "file was cut short (a download or copy that did not finish); fetch it again",
+        )
     return found
 
 
@@ -104,6 +121,59 @@ def check_weights(folder: Path, layers: str, embed: str, config: dict[str, int])
                 f"config.json says vocab_size={want[0]}, hidden_size={want[1]}, but "
                 f"{embed}.weight in {where} is {shape[0]} x {shape[1]}",
             )
+
+
+# A meta-device model is built from config.json to know every tensor's shape; above this many
+# experts in all (DeepSeek-V3: 58 x 256) building it takes longer than a plan should, and the
+# layer count and embedding checks above are what is checked.
+EXPERTS_MAX = 4096
+
+
+def declared_shapes(config: dict[str, Any]) -> dict[str, list[int]] | None:
+    """{tensor name: shape} of the model config.json describes, built on the meta device (no
+    memory, no weights) by transformers' own class for it; None where transformers has no class
+    of its own for the architecture (custom code is not run for a check) or the model is too
+    large to build in a plan."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    layers = int(config.get("num_hidden_layers") or 0)
+    experts = int(config.get("n_routed_experts") or config.get("num_experts") or 0)
+    if layers * experts > EXPERTS_MAX or "auto_map" in config:
+        return None
+    try:
+        kind = config["model_type"]
+        made = AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(made)
+    except Exception:  # an architecture transformers builds no causal LM for: not checked here
+        return None
+    return {name: list(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_shapes(folder: Path, config: dict[str, Any]) -> None:
+    """Every tensor of the folder's weights whose name the model declares has the shape
+    config.json gives it (a wider MLP or another head count than the weights hold is named,
+    with the file, before anything loads). Quantized checkpoints' packed tensors carry other
+    names and are not compared."""
+    found = tensors(folder)
+    if found is None:
+        return
+    shapes, listed = found
+    declared = declared_shapes(config)
+    if not declared:
+        return
+    common = [n for n in shapes if n in declared]
+    wrong = [n for n in common if shapes[n] and shapes[n] != declared[n]]
+    if wrong:
+        name = wrong[0]
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise ConfigError(
+            "model.source",
+            f"{name} in {folder / listed} is {shapes[name]}, but config.json's settings make it "
+            f"{declared[name]}{more}: config.json does not describe these weights (another "
+            "model's config, or a hand-edited size); fix config.json or the files",
+        )
 
 
 def _layer_indices(shapes: dict[str, list[int]], layers: str) -> set[int] | None:

@@ -469,7 +469,7 @@ def publish(
     this machine (also written to serve_local.sh beside the card), if the run evaluated it. A
     smoke test's draft, or one whose figures failed a gate that was set to warn, is refused
     unless allowed (the card then says so)."""
-    from runner.assets.transfer import packed_reason
+    from runner.assets.transfer import packed_reason, refuse_links_out
 
     tags = run.data.tags
     if tags.get("smoke_test") == "true" and not allow_smoke_test:
@@ -491,6 +491,7 @@ def publish(
     reason = packed_reason(draft)
     if reason:
         raise ValueError(reason)
+    refuse_links_out(draft)
     local = local_serve_command(run, out)
     with new_folder(out) as tmp:
         shutil.copytree(draft, tmp, dirs_exist_ok=True)

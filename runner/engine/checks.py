@@ -10,10 +10,11 @@ settings. Both raise `ConfigError` naming the key to change. What depends on thi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from runner.assets.target_facts import Target, weight_bytes
-from runner.assets.weights import check_weights
+from runner.assets.weights import check_shapes, check_weights
 from runner.core.errors import ConfigError
 from runner.core.layer_ids import CAPTURE_PRESETS
 from runner.core.schema import RunnerConfig
@@ -92,6 +93,21 @@ def check_target(cfg: RunnerConfig, target: Target, stages: tuple[Stage, ...] = 
             stage.check_target(cfg, target)
 
 
+def check_generation_config(folder: Path) -> None:
+    """generation_config.json, where the folder has one, is JSON (vLLM and transformers read
+    it at load, after the weights: a garbage file fails there, half an hour in on a large
+    target)."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return
+    try:
+        found = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError("model.source", f"{path} is not JSON ({exc}): fix or remove it") from None
+    if not isinstance(found, dict):
+        raise ConfigError("model.source", f"{path} is not a JSON object: fix or remove it")
+
+
 def _check_target(cfg: RunnerConfig, target: Target) -> None:
     m, facts, layout = cfg.model, target.facts, target.layout
     folder = Path(facts.path)
@@ -106,6 +122,8 @@ def _check_target(cfg: RunnerConfig, target: Target) -> None:
                 "vocab_size": layout.vocab_size,
             },
         )
+        check_shapes(folder, target.config)
+        check_generation_config(folder)
     reasons = target.remote_code_reasons
     if reasons and not m.trust_remote_code:
         raise ConfigError(
