@@ -52,13 +52,26 @@ def test_two_drafts_on_the_same_prompts_get_a_paired_verdict():
     assert baseline.compare(ours, {"humaneval": worse["mtbench"]}) == []
 
 
-def test_the_plan_refuses_a_baseline_it_cannot_serve(tmp_path):
+def test_the_plan_refuses_a_baseline_it_cannot_serve(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
     from runner.core.errors import ConfigError
+    from runner.serving.vllm_server import free_port
     from tests.conftest import run_job
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    for value, why in ((empty, "holds no draft"), (tmp_path / "gone", "is not a folder")):
+    # A hub id not in the cache where the hub does not answer (no network): refused in the
+    # plan, not when evaluate starts after training.
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    hub = "lightseekorg/kimi-k2.5-eagle3-mla"
+    for value, why in (
+        (empty, "holds no draft"),
+        (tmp_path / "gone", "is not a folder"),
+        (hub, "the hub does not answer for it"),
+    ):
         with pytest.raises(ConfigError) as refused:
             run_job(
                 compose(

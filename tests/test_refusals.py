@@ -398,6 +398,8 @@ def _copy_model(src: Path, dst: Path) -> Path:
         ),
         (["tracking.uri=ftp://example.org/mlflow"], "tracking.uri", "cannot track to"),
         (["tracking.uri=postgresql://u@127.0.0.1/db"], "tracking.uri", "driver"),
+        (["tracking.registered_model=team/eagle3"], "tracking.registered_model", "refuses"),
+        (["tracking.registered_model='a:b'"], "tracking.registered_model", "refuses"),
     ],
 )
 def test_round_three_settings_are_refused_in_the_plan(tmp_path, tiny_model_dir, extra, key, words):

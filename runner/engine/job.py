@@ -52,7 +52,7 @@ from runner.tracking.job_tags import (
     RESULTS_FILE,
     SERIES_TAG,
 )
-from runner.tracking.runs import Tracker, process_tags, tracking_uri
+from runner.tracking.runs import Tracker, process_tags, registered_name, tracking_uri
 from runner.tracking.sweep import PARENT_ENV, SEARCH_ENV, sweep_job, sweep_job_tags, swept_keys
 
 log = logging.getLogger("runner")
@@ -455,7 +455,7 @@ def _register(
     tracker: Tracker, cfg: RunnerConfig, results: Mapping[str, Any], description: str
 ) -> None:
     """The served draft as a version in MLflow's model registry (never a reason to fail)."""
-    name = cfg.tracking.registered_model or f"eagle3-{cfg.model.name}"
+    name, _ = registered_name(cfg.tracking.registered_model, cfg.model.name)
     for r in results.values():
         folder = r.stage.served_draft(r.path) if r.stage.served_draft else None
         # (a reused evaluation registered its draft when it was computed)

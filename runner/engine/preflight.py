@@ -42,7 +42,12 @@ from runner.integrations.vllm import (
 )
 from runner.serving import endpoint
 from runner.serving.settings import capability, problems, unset_warning
-from runner.tracking.runs import check_store, tracking_uri
+from runner.tracking.runs import (
+    check_store,
+    registered_name,
+    registry_name_problem,
+    tracking_uri,
+)
 
 GiB = 1 << 30
 # Above this share of a GPU taken by weights, the plan warns that little is left for KV cache.
@@ -508,3 +513,13 @@ def _tracking_lines(plan: Plan, cfg: RunnerConfig, output_root: Path) -> None:
     plan.add("tracking", f"{uri}" + (f" ({problem})" if problem else ""))
     if problem:
         plan.error("tracking.uri", f"{uri}: {problem}")
+    if cfg.tracking.register_draft:  # refused by the registry after the run, else
+        name, key = registered_name(cfg.tracking.registered_model, cfg.model.name)
+        wrong = registry_name_problem(name)
+        if wrong:
+            plan.error(
+                key,
+                f"the served draft would be registered as {name!r}, which MLflow's registry "
+                f"refuses ({wrong}): set tracking.registered_model to another name, or "
+                "tracking.register_draft=false",
+            )

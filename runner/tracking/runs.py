@@ -550,3 +550,24 @@ def ui_command(uri: str, experiment_id: str | None, run_id: str | None) -> str:
         else f"--tracking-uri {uri}"
     )
     return f"eagle3-runner ui {store}, then open http://127.0.0.1:5000/{page}"
+
+
+def registered_name(registered_model: str | None, model_name: str) -> tuple[str, str]:
+    """(the registered model a served draft becomes a version of, the key that sets it)."""
+    if registered_model:
+        return registered_model, "tracking.registered_model"
+    return f"eagle3-{model_name}", "model.name"
+
+
+def registry_name_problem(name: str) -> str | None:
+    """Why MLflow's registry would refuse `name`, asked of MLflow's own validation (the rule
+    is MLflow's: no '/' or ':', no path-like parts), or None."""
+    try:
+        from mlflow.utils.validation import _validate_model_name  # MLflow's own rule
+    except ImportError:  # a future MLflow without it: its registry still says so, later
+        return None
+    try:
+        _validate_model_name(name)
+    except Exception as exc:
+        return str(getattr(exc, "message", exc)).splitlines()[0]
+    return None

@@ -715,6 +715,7 @@ def _plan_baseline(p: Plan, cfg: RunnerConfig, view: PlanView) -> None:
     folder, why = baseline.locate(cfg)
     given = cfg.eval.baseline_draft
     if folder is None:
+        why = why or baseline.hub_problem(str(given))  # asked now, not after training
         if why:
             p.error("eval.baseline_draft", why)
         else:

@@ -76,6 +76,22 @@ def locate(cfg: RunnerConfig) -> tuple[Path | None, str]:
     return None, ""
 
 
+def hub_problem(value: str, timeout_s: float = 10.0) -> str | None:
+    """Why a hub draft not yet cached cannot be fetched from here (the hub does not answer
+    for it within `timeout_s`: no network, an unknown or gated repo), or None."""
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().model_info(value, timeout=timeout_s)
+    except Exception as exc:  # unreachable hub, unknown repo, gated
+        return (
+            f"hub id {value} is not in the Hugging Face cache and the hub does not answer for it "
+            f"({type(exc).__name__}: {str(exc)[:160]}): download it where there is a network, "
+            "or give its folder"
+        )
+    return None
+
+
 def fetch(cfg: RunnerConfig) -> Path:
     """The baseline's folder, downloading a hub id that is not cached yet."""
     folder, why = locate(cfg)
