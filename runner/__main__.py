@@ -32,6 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from runner.core.config_files import check_config_dirs
 from runner.core.errors import ConfigError, StageError
 from runner.core.interrupts import Interrupted, as_interrupted, held_back
 from runner.core.schema import DataSource, did_you_mean, register, schema_for
@@ -167,7 +168,14 @@ def _exit_now(code: int) -> None:
 
 
 def entry() -> None:
-    """`main`, with Hydra's own refusals of the config given the config-error exit status."""
+    """`main`, with Hydra's own refusals of the config given the config-error exit status, and
+    the user's config files read first (runner/core/config_files.py): a YAML mistake is one
+    line with the file and the line, a hostile file is refused at once."""
+    try:
+        check_config_dirs(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"config error: {exc.key}: {exc.message}", file=sys.stderr)
+        sys.exit(2)
     try:
         main()
     except SystemExit as exc:

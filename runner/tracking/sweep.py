@@ -136,6 +136,8 @@ def check_sweep(config: DictConfig) -> bool:
         _refuse(
             "hydra.sweeper.params", "the search space is empty: give at least one setting to search"
         )
+    if search:
+        _check_search(config)
     if search and config.run.plan_only:
         _refuse(
             "run.plan_only",
@@ -143,6 +145,41 @@ def check_sweep(config: DictConfig) -> bool:
             "does not measure; plan one trial without -m, or run the search",
         )
     return search
+
+
+DIRECTIONS = ("maximize", "minimize")
+
+
+def _check_search(config: DictConfig) -> None:
+    """The search's own settings, in one line each (Optuna and Hydra's sweeper raise them as
+    tracebacks, some only after the first trial): counts at least 1, a direction Optuna knows,
+    and each parameter a non-empty choice or an interval from low to high."""
+    sweeper = OmegaConf.select(config, "hydra.sweeper") or {}
+    for key in ("n_trials", "n_jobs"):
+        value = sweeper.get(key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            _refuse(f"hydra.sweeper.{key}", f"is {value!r}: a search needs a whole number >= 1")
+    direction = sweeper.get("direction")
+    listed = list(direction) if OmegaConf.is_list(direction) else [direction]
+    wrong = [d for d in listed if str(d).lower() not in DIRECTIONS]
+    if wrong:
+        _refuse(
+            "hydra.sweeper.direction",
+            f"is {wrong[0]!r}: Optuna takes {' or '.join(DIRECTIONS)} (the runner's objective, "
+            "acceptance length, is maximized)",
+        )
+    parser = OverridesParser.create()
+    for name, spec in (sweeper.get("params") or {}).items():
+        key = f"hydra.sweeper.params.{name}"
+        try:
+            value = parser.parse_overrides([f"{name}={spec}"])[0].value()
+        except Exception as exc:  # Hydra's parser says what it could not read
+            said = " ".join(str(exc).split())
+            _refuse(key, f"{spec!r} is not a search range: {said[:200]}")
+        start, end = getattr(value, "start", None), getattr(value, "end", None)
+        end = getattr(value, "stop", end)
+        if start is not None and end is not None and not start < end:
+            _refuse(key, f"{spec!r} runs from {start} down to {end}: give the low end first")
 
 
 def _swept_title(overrides: list[str]) -> str:
