@@ -390,6 +390,15 @@ def _copy_model(src: Path, dst: Path) -> Path:
         (["data.min_assistant_tokens=96"], "data.min_assistant_tokens", "no row would be kept"),
         (["data.max_seq_len=16"], "data.max_seq_len", "cannot hold one chat turn"),
         (["model.chat_template='{% for %}'"], "model.chat_template", "does not render"),
+        (
+            # Loops that would run 10^10 times: named within the template's 10 s, no hang.
+            [
+                "model.chat_template='{% for i in range(100000) %}{% for j in range(100000) %}"
+                "{% endfor %}{% endfor %}x'"
+            ],
+            "model.chat_template",
+            "did not finish one conversation in 10 s",
+        ),
         (["train.num_layers=2000"], "train.num_layers", "deeper than the target"),
         (
             ["run.stages=[prepare,extract,vocab,train,evaluate]", "eval.max_model_len=200"],

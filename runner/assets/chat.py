@@ -6,6 +6,10 @@ prepare and regenerate share (regenerate rewrites the very rows prepare will rea
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +73,64 @@ def data_key(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
     }
 
 
+# A chat template is a program (Jinja, sandboxed: no files, ranges of at most 100,000, but
+# loops may nest): one conversation must render within this many seconds and tokens, else the
+# template is named instead of the runner hanging (a template looping 10^10 times ran past
+# 300 s in prepare with no message). A real template renders a conversation in milliseconds.
+RENDER_SECONDS_MAX = 10.0
+RENDER_TOKENS_MAX = 4_000_000
+
+
+class TemplateBudgetError(RuntimeError):
+    """The chat template ran past its time or output budget on one conversation."""
+
+
+@contextlib.contextmanager
+def _time_budget(seconds: float) -> Iterator[None]:
+    """Raises TemplateBudgetError in the block after `seconds` (a real-time timer; only the
+    main thread of a process can have one, elsewhere the block runs unbounded)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(_sig: int, _frame: Any) -> None:
+        raise TemplateBudgetError(
+            f"the chat template did not finish one conversation in {seconds:g} s (a loop that "
+            "does not end?)"
+        )
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def render_text(tok: Any, turns: list[dict], gen: bool, kwargs: dict) -> str:
+    """One conversation as the template writes it, within the template's budget."""
+    with _time_budget(RENDER_SECONDS_MAX):
+        text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=gen, **kwargs)
+    if len(text) > RENDER_TOKENS_MAX:  # at least a byte a token: no more tokens than this
+        raise TemplateBudgetError(
+            f"the chat template wrote {len(text):,} characters for one conversation"
+        )
+    return text
+
+
 def render(tok: Any, turns: list[dict], gen: bool, kwargs: dict) -> list[int]:
-    out = tok.apply_chat_template(
-        turns, tokenize=True, add_generation_prompt=gen, return_dict=False, **kwargs
-    )
+    """One conversation's token ids, within the template's budget."""
+    with _time_budget(RENDER_SECONDS_MAX):
+        out = tok.apply_chat_template(
+            turns, tokenize=True, add_generation_prompt=gen, return_dict=False, **kwargs
+        )
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
+    if len(out) > RENDER_TOKENS_MAX:
+        raise TemplateBudgetError(
+            f"the chat template wrote {len(out):,} tokens for one conversation"
+        )
     return list(out)
 
 

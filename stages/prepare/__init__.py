@@ -36,10 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from runner.assets.chat import (
+    TemplateBudgetError,
     cache_dir,
     data_key,
     load_tokenizer,
     render,
+    render_text,
     template_kwargs,
     tokenizer_at,
 )
@@ -510,9 +512,7 @@ def fitting_rows(cfg: RunnerConfig, target: Target, src: Source) -> dict[str, in
             first = first_prompt(turns)
             if first is None:
                 continue
-            text = tok.apply_chat_template(
-                first, tokenize=False, add_generation_prompt=True, **kwargs
-            )
+            text = render_text(tok, first, True, kwargs)
             # A token is at least a byte: a prompt of fewer bytes than the room fits unread.
             if len(text.encode()) <= room or len(render(tok, first, True, kwargs)) <= room:
                 fit += 1
@@ -538,6 +538,10 @@ def _plan_rows(p: Plan, cfg: RunnerConfig, target: Target, src: Source) -> None:
     may and trains on what it found)."""
     try:
         counted = fitting_rows(cfg, target, src)
+    except TemplateBudgetError as exc:  # a row that makes the template run away
+        key = "model.chat_template" if cfg.model.chat_template else "model.source"
+        p.error(key, f"{exc}, on a conversation of {src.name}")
+        return
     except Exception as exc:  # a template that fails on a row is the template check's to name
         log.debug("prepare: rows not counted (%s)", exc)
         return
