@@ -180,6 +180,44 @@ def test_gc_lists_by_default_and_removes_on_request(tmp_path, capsys):
     assert not leftover.exists() and not aside.exists() and resume.exists()
 
 
+def test_gc_never_removes_the_work_folder_of_a_running_job(tmp_path, capsys):
+    """A training in progress holds its stage's lock: gc --delete --resume-state keeps its work
+    folder (its checkpoints) and says why; once the job is gone the folder is resume state."""
+    import subprocess
+    import sys
+
+    from runner.commands.gc import main as gc
+
+    store = ArtifactStore(tmp_path)
+    work = store.scratch("train", "k9")
+    work.mkdir(parents=True)
+    (work / "checkpoint").write_bytes(b"x" * 1000)
+    lock = tmp_path / "store" / ".locks" / "train-k9.lock"
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from filelock import FileLock; l = FileLock(sys.argv[1]); "
+            "l.acquire(); print('held', flush=True); time.sleep(120)",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert gc(["--root", str(tmp_path), "--delete", "--resume-state"]) == 0
+        out = capsys.readouterr().out
+        assert "in use" in out and "being computed by a running job" in out
+        assert (work / "checkpoint").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert gc(["--root", str(tmp_path), "--delete", "--resume-state"]) == 0
+    assert "resume" in capsys.readouterr().out and not work.exists()
+
+
 def test_gc_offers_no_artifact_on_the_word_of_a_store_it_cannot_read(tmp_path, monkeypatch, capsys):
     """A root whose mlflow.db is gone, emptied or damaged names no run: --unreferenced would
     offer every artifact, the trained draft included. gc refuses (exit 2) and lists none; the

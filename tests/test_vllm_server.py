@@ -15,7 +15,7 @@ import time
 import pytest
 
 from runner.core.schema import typed
-from runner.serving.vllm_server import ServerError, VllmServer, spec_decode_counters
+from runner.serving.vllm_server import ServerError, VllmServer, guarded, spec_decode_counters
 from tests.conftest import compose
 
 # Serves /health and /v1/models after `delay` seconds, or exits with `code`; starts a grandchild
@@ -43,7 +43,14 @@ class H(http.server.BaseHTTPRequestHandler):
         body = b"{}" if self.path == "/health" else json.dumps(models).encode()
         self.send_response(200); self.end_headers(); self.wfile.write(body)
     def log_message(self, *a): print("GET", self.path, flush=True)
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+httpd = http.server.HTTPServer(("127.0.0.1", port), H)
+if mode == "deaf":  # as an API server shutting down: it stops listening, its process stays
+    import threading
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    time.sleep(4)
+    httpd.shutdown(); httpd.server_close()
+    time.sleep(600)
+httpd.serve_forever()
 """
 
 
@@ -118,6 +125,26 @@ def test_a_server_that_exits_reports_its_code_and_log(tmp_path):
     assert "exited with code 3" in str(err.value) and "boom: engine core failed" in str(err.value)
     # The first error line of the log, which the tail no longer holds, is named up front.
     assert "exited with code 3: AssertionError: Tried to load weights" in str(err.value)
+
+
+@pytest.mark.parametrize("how", ["killed", "deaf"])
+def test_requests_in_flight_end_within_seconds_when_the_server_goes(tmp_path, how):
+    """Requests to a server that dies (kill -9: its process exits) or stops listening while its
+    process stays (an API server shutting down on SIGTERM) end with the server named within
+    seconds, not when each request times out (eval.timeout_s: minutes)."""
+    import asyncio
+    import signal
+
+    server = _server(tmp_path, "deaf" if how == "deaf" else "serve")
+    with server:
+        if how == "killed":
+            os.kill(_pids(server)[0], signal.SIGKILL)
+        t0 = time.time()
+        with pytest.raises(ServerError) as err:
+            asyncio.run(guarded(server, asyncio.sleep(600)))  # a request that never returns
+        assert time.time() - t0 < 20
+    said = str(err.value)
+    assert ("exited with code -9" in said) if how == "killed" else ("stopped answering" in said)
 
 
 def test_a_server_that_never_becomes_ready_times_out_and_is_killed(tmp_path):

@@ -12,7 +12,8 @@ What it finds:
   (from the ledger in ~/.cache/eagle3-runner/writes);
 - damaged artifacts the runner moved aside (`.damaged-*`);
 - work folders (`scratch/<stage>-<key>`) whose artifact is published (leftovers), and those that
-  are resume state of an unfinished stage (listed; removed only with --resume-state);
+  are resume state of an unfinished stage (listed; removed only with --resume-state); the work
+  folder of a stage a live job is computing (it holds the stage's lock) is never removed;
 - with --unreferenced: published artifacts that no MLflow run of the root's store names (tags
   `artifact.<stage>`) and that no such artifact was made from (its manifest's inputs).
 Nothing is removed without --delete.
@@ -88,7 +89,9 @@ def find(root: Path, unreferenced: bool) -> list[tuple[str, Path, str]]:
         found.append(("ledger", entry, "the record of that killed write"))
     for work in sorted(RunLayout(root).scratch.glob("*-*")):
         stage, _, key = work.name.rpartition("-")
-        if store.get(stage, key) is not None:
+        if store.computing(stage, key):  # a live run's: never listed for removal
+            found.append(("in use", work, f"{stage} {key} is being computed by a running job"))
+        elif store.get(stage, key) is not None:
             found.append(("leftover", work, f"{stage} {key} is published"))
         else:
             found.append(("resume", work, f"resume state of unfinished {stage} {key}"))
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for kind, path, note in found:
         size = _size(path)
-        keep = kind == "resume" and not args.resume_state
+        keep = kind == "in use" or (kind == "resume" and not args.resume_state)
         act = "keep" if keep or not args.delete else "remove"
         print(f"{act:<7} {kind:<13} {fmt_bytes(size):>10}  {path}  ({note})")
         if act == "remove":

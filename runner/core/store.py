@@ -413,6 +413,22 @@ class ArtifactStore:
         """A stage's working folder outside the artifact (kept for resumable stages)."""
         return RunLayout(self.root.parent).scratch / f"{stage}-{key}"
 
+    def computing(self, stage: str, key: str) -> bool:
+        """Whether a live process holds (stage, key)'s lock: computing it now, its work folder
+        in use (a lock file nobody holds is a dead run's)."""
+        path = self.root / ".locks" / f"{stage}-{key}.lock"
+        if not path.is_file():
+            return False
+        lock = FileLock(str(path))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return True
+        except OSError:  # a read-only store: nobody can be computing in it from here
+            return False
+        lock.release()
+        return False
+
     @contextmanager
     def lock(self, stage: str, key: str) -> Iterator[None]:
         """Exclusive right to compute (stage, key): concurrent sweep jobs that need the same

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import time
 import warnings
@@ -648,6 +649,9 @@ def validate_export(
     # from_pretrained resolves layer ids through it: a view of the folder whose config names the
     # local target instead, the weights linked, not copied.
     view = work / "draft"
+    # A check that failed before left its view: each check starts from an empty folder (its
+    # links would collide with the new ones, and the stage could never run again).
+    shutil.rmtree(work, ignore_errors=True)
     view.mkdir(parents=True, exist_ok=True)
     for f in draft.iterdir():
         if f.is_file() and f.name != "config.json":

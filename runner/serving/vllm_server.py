@@ -29,6 +29,7 @@ has already checked through its API that it is the server the stage needs
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -39,10 +40,11 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -51,6 +53,8 @@ from runner.core.errors import StageError
 from runner.core.schema import RunnerConfig
 from runner.processes.process import ManagedProcess
 from runner.serving.settings import target_flags
+
+T = TypeVar("T")
 
 log = logging.getLogger("runner")
 
@@ -139,6 +143,38 @@ class _ServerApi:
 
     def check_alive(self, settle_s: float = 0.0) -> None:
         raise NotImplementedError
+
+    def check_exited(self) -> None:
+        """Raise ServerError if the server's process has exited (where the runner started it:
+        a server someone else runs has no process here)."""
+
+    def refuses(self) -> bool:
+        """Whether nothing listens at the server's port any more (a connection refused, not a
+        slow answer: a busy server is not a dead one)."""
+        parts = urllib.parse.urlsplit(self.base)
+        try:
+            with socket.create_connection((parts.hostname, parts.port or 80), timeout=5):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # a timeout or a network's trouble: not proof of anything
+            return False
+
+    async def watch(self, every_s: float = 2.0) -> None:
+        """Runs beside requests in flight and raises ServerError once the server is gone: its
+        process exited (check_exited) or its port refused connections twice in a row (an API
+        server shutting down on SIGTERM stops listening but may keep its process while requests
+        hang). A request waits up to its own timeout (eval.timeout_s: minutes) otherwise."""
+        refused = 0
+        while True:
+            await asyncio.sleep(every_s)
+            await asyncio.to_thread(self.check_exited)
+            refused = refused + 1 if await asyncio.to_thread(self.refuses) else 0
+            if refused >= 2:
+                raise ServerError(
+                    f"vLLM ({self.label}) stopped answering: nothing listens at {self.base} "
+                    f"any more (its log: {self.log_path})"
+                )
 
     def _get(self, path: str, timeout: float) -> str | None:
         try:
@@ -366,6 +402,10 @@ class VllmServer(_ServerApi):
         self._ready.set()
         log.info("[%s] vLLM ready in %.1f s at %s", self.label, self.start_s, self.url)
 
+    def check_exited(self) -> None:
+        if self._proc.exited() is not None:
+            self.check_alive()
+
     def check_alive(self, settle_s: float = 0.0) -> None:
         """Raise ServerError (with the log's tail) if the server process has exited, waiting up
         to `settle_s` for it to: an API server whose engine died exits on its own, a moment
@@ -519,3 +559,21 @@ def first_error(log_path: Path) -> str | None:
     except OSError:
         return None
     return None
+
+
+async def guarded(server: _ServerApi, work: Awaitable[T]) -> T:
+    """`work` (requests to `server`), ended with the server's ServerError as soon as the server
+    is gone rather than when each request times out."""
+    job = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(server.watch())
+    try:
+        done, _ = await asyncio.wait({job, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:
+            job.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await job
+            watcher.result()  # raises the server's error
+        return job.result()
+    finally:
+        for task in (job, watcher):
+            task.cancel()

@@ -28,6 +28,7 @@ from runner.serving.vllm_server import (
     VllmServer,
     counters_delta,
     engine_args,
+    guarded,
     quiet_http_logs,
     request_counters,
     serve,
@@ -101,6 +102,10 @@ def _per_prompt(
     return rows, "counters, one prompt at a time"
 
 
+async def _in_turn(one: Any, prompts: list[Prompt]) -> list[Any]:
+    return [await one(i, p) for i, p in enumerate(prompts)]
+
+
 async def _generate_all(
     server: VllmServer | ExistingServer,
     prompts: list[Prompt],
@@ -153,8 +158,10 @@ async def _generate_all(
         try:
             async with asyncio.timeout(e.timeout_s):
                 if one_at_a_time:
-                    return [await one(i, p) for i, p in enumerate(prompts)]
-                return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+                    return await guarded(server, _in_turn(one, prompts))
+                return await guarded(
+                    server, asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+                )
         except TimeoutError:
             raise StageError(
                 f"generating {len(prompts)} prompts took longer than eval.timeout_s={e.timeout_s}"
@@ -344,7 +351,7 @@ async def _rate(
     timeout = aiohttp.ClientTimeout(total=e.timeout_s)
     connector = aiohttp.TCPConnector(limit=len(users))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
-        await asyncio.gather(*(user(http, u) for u in range(len(users))))
+        await guarded(server, asyncio.gather(*(user(http, u) for u in range(len(users)))))
     # Each user's own rate, summed: exact however the users' answers line up in time (users
     # repeating one greedy prompt each stay in step, and a shared window would cut their
     # rounds at an arbitrary point).
@@ -480,7 +487,7 @@ async def _read_all(
 
     timeout = aiohttp.ClientTimeout(total=cfg.eval.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        return await asyncio.gather(*(one(http, i) for i in range(len(served))))
+        return await guarded(server, asyncio.gather(*(one(http, i) for i in range(len(served)))))
 
 
 def read_sets(
