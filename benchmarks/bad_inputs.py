@@ -1,7 +1,7 @@
 """Try the runner with wrong settings and damaged data files, as a new user would, and print a
 table: the case, the exit status, the seconds until the refusal, and the key the message names.
 
-Usage: python -m benchmarks.bad_inputs [--root DIR] [--markdown]
+Usage: python -m benchmarks.bad_inputs [--root DIR] [--round N ...]
 Every case is a real `python -m runner ...` command line (a subprocess, on the embedded default
 model unless the case says otherwise), refused before any weight loads; a case that is not
 refused within --timeout seconds is reported as NOT REFUSED. The first command is a warm-up plan
@@ -293,6 +293,139 @@ def round_four(f: dict[str, Path]) -> list[tuple[str, list[str]]]:
     ]
 
 
+def round_five_files(folder: Path, root: Path) -> dict[str, Path]:
+    """The round-five classes (docs/bad-input.md): target folders whose files disagree with
+    themselves, hostile and broken config files, searches, a source the held-out room fills."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out: dict[str, Path] = {}
+    (kept,) = (root / "cache" / "gguf_tokenizers").iterdir()
+    small = {**LLAMA, "num_hidden_layers": 4}
+
+    def target(name: str, config: dict) -> Path:
+        d = folder / name
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**small)).save_pretrained(d)
+        for f in kept.iterdir():
+            shutil.copy2(f, d / f.name)
+        (d / "config.json").write_text(
+            json.dumps({**json.loads((d / "config.json").read_text()), **config})
+        )
+        out[name] = d
+        return d
+
+    target("wider_mlp_than_weights", {"intermediate_size": 256})
+    cut = target("weights_cut_short", {})
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) - 4096])
+    garbled = target("garbled_generation_config", {})
+    (garbled / "generation_config.json").write_text("{not json")
+    save_file({"x": torch.zeros(1)}, str(folder / "unused.safetensors"))
+    head = "defaults:\n  - config\n  - _self_\n"
+    laughs = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for prev, name in zip("abcdefgh", "bcdefghi", strict=True):
+        laughs.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]")
+    configs = {
+        "indent": head + "data:\n  num_samples: 10\n   max_seq_len: 3\n",
+        "tab": head + "run:\n\tname: x\n",
+        "quote": head + 'run:\n  name: "unclosed\n',
+        "duplicate": head + "data:\n  num_samples: 1\n  num_samples: 2\n",
+        "python_tag": head + 'run:\n  name: !!python/object/apply:os.system ["echo hi"]\n',
+        "laughs": head + "\n".join(laughs) + "\nbomb: *i\n",
+        "inverted_search": "defaults:\n  - search\n  - _self_\nhydra:\n  sweeper:\n    params:\n"
+        "      train.lr: tag(log, interval(3e-3, 2e-4))\n",
+    }
+    cd = folder / "configs"
+    cd.mkdir()
+    for name, text in configs.items():
+        (cd / f"{name}.yaml").write_text(text)
+    out["configs"] = cd
+    (folder / "twenty.jsonl").write_text(f"{GOOD}\n" * 20)
+    out["twenty.jsonl"] = folder / "twenty.jsonl"
+    return out
+
+
+def round_five(f: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    plan = ["run.plan_only=true"]
+    loop = "'{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x'"
+
+    def hf(name: str, *more: str) -> list[str]:
+        return [*plan, "model=hf", f"model.source={f[name]}", "model.name=t", *more]
+
+    def yaml_file(name: str, *more: str) -> list[str]:
+        return ["-cd", str(f["configs"]), "-cn", name, *more]
+
+    kimi = str(REPO / "tests" / "data" / "kimi_k25")  # Kimi-K2.5's config files, no weights
+    box = [*plan, "model=kimi_k25", f"model.source={kimi}", "hardware=blackwell8"]
+    mla = "hardware.vllm.attention_backend=FLASHINFER_MLA"
+    return [
+        # The silent-zero guard on the box, however the settings are written
+        (
+            "FLASHINFER_MLA + fp8 KV as flags in extra_args",
+            [
+                *box,
+                "hardware.vllm.attention_backend=null",
+                "hardware.vllm.kv_cache_dtype=null",
+                "hardware.vllm.extra_args=[--attention-backend,FLASHINFER_MLA,--kv-cache-dtype,fp8]",
+            ],
+        ),
+        (
+            "FLASHINFER_MLA through VLLM_ATTENTION_BACKEND",
+            [
+                *box,
+                "hardware.vllm.attention_backend=null",
+                "+hardware.vllm.env.VLLM_ATTENTION_BACKEND=FLASHINFER_MLA",
+                "hardware.vllm.kv_cache_dtype=fp8_e4m3",
+            ],
+        ),
+        (
+            "the card's name as nvidia-smi prints it",
+            [*box, mla, "hardware.gpu_kind='NVIDIA RTX PRO 6000 Blackwell Server Edition'"],
+        ),
+        ("a card no table knows", [*box, mla, "hardware.gpu_kind='Mystery 9000'"]),
+        # Serving flags however written, settings against each other
+        (
+            "fp8_e5m2 KV cache on this CPU, through extra_args",
+            [*plan, "hardware.vllm.extra_args=[--kv-cache-dtype,fp8_e5m2]"],
+        ),
+        (
+            "a floor above k + 1",
+            [*plan, "eval.acceptance_floor=4.5", "eval.num_speculative_tokens=3"],
+        ),
+        ("choosing among one epoch", [*plan, "eval.choose_epoch=true", "train.epochs=1"]),
+        ("registry name with a slash", [*plan, "tracking.registered_model=team/eagle3"]),
+        ("a hub baseline not cached, no hub", [*plan, "eval.baseline_draft=org/not-cached-draft"]),
+        # Target folders read whole from their headers
+        ("config.json claims a wider MLP", hf("wider_mlp_than_weights")),
+        ("weights file shorter than its header", hf("weights_cut_short")),
+        ("generation_config.json not JSON", hf("garbled_generation_config")),
+        # Hostile input
+        ("nested YAML aliases (billion laughs)", yaml_file("laughs", *plan)),
+        ("chat template looping 10^10 times", [*plan, f"model.chat_template={loop}"]),
+        # Loader and shell variables
+        ("LD_AUDIT in hardware.env", [*plan, "+hardware.env.LD_AUDIT=/tmp/x.so"]),
+        ("BASH_ENV in hardware.env", [*plan, "+hardware.env.BASH_ENV=/tmp/x.sh"]),
+        ("LD_AUDIT in hardware.vllm.env", [*plan, "+hardware.vllm.env.LD_AUDIT=/tmp/x.so"]),
+        ("PATH in hardware.env", [*plan, "+hardware.env.PATH=/tmp"]),
+        # Config files and searches: one line, the file and the line
+        ("YAML bad indentation", yaml_file("indent", *plan)),
+        ("YAML tab", yaml_file("tab", *plan)),
+        ("YAML unclosed quote", yaml_file("quote", *plan)),
+        ("YAML duplicate key", yaml_file("duplicate", *plan)),
+        ("YAML !!python tag", yaml_file("python_tag", *plan)),
+        ("search: 0 trials", ["-m", "-cn", "search", "hydra.sweeper.n_trials=0"]),
+        ("search: direction typo", ["-m", "-cn", "search", "hydra.sweeper.direction=maximise"]),
+        ("search: inverted interval in a file", ["-m", *yaml_file("inverted_search")]),
+        # The held-out room
+        (
+            "held-out room takes a 20-row source",
+            [*plan, "data=local_file", f"data.source={f['twenty.jsonl']}", "data.num_samples=10"],
+        ),
+    ]
+
+
 def cases(files: dict[str, Path]) -> list[tuple[str, list[str]]]:
     def local(name: str, *more: str) -> list[str]:
         return ["data=local_file", f"data.source={files[name]}", *more]
@@ -352,7 +485,8 @@ def cases(files: dict[str, Path]) -> list[tuple[str, list[str]]]:
 
 
 def key_named(stderr: str) -> str:
-    for pattern in (r"config error: ([\w.\[\]]+):", r"full_key: ([\w.]+)", r"Could not \w+ '(\w+)"):
+    patterns = (r"config error: (\S+?): ", r"full_key: ([\w.]+)", r"Could not \w+ '(\w+)")
+    for pattern in patterns:
         m = re.search(pattern, stderr)
         if m:
             return m.group(1)
@@ -388,6 +522,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=None, help="output root (default: a temp dir)")
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument(
+        "--round",
+        type=int,
+        action="append",
+        choices=(2, 3, 4, 5),
+        dest="rounds",
+        help="only this round's cases (repeatable; default: every round; 2 = the data files)",
+    )
     args = ap.parse_args()
     root = args.root or Path(tempfile.mkdtemp(prefix="bad-inputs-"))
     folder = Path(tempfile.mkdtemp(prefix="bad-data-"))
@@ -395,8 +537,14 @@ def main() -> int:
         code, seconds, _ = run(["run.plan_only=true"], root, args.timeout)
         print(f"{label}: exit {code} in {seconds:.2f} s")
     rows = []
-    every = cases(data_files(folder)) + round_three(round_three_files(folder, root))
-    every += round_four(round_four_files(folder, root))
+    rounds = set(args.rounds or (2, 3, 4, 5))
+    every = cases(data_files(folder)) if 2 in rounds else []
+    if 3 in rounds:
+        every += round_three(round_three_files(folder, root))
+    if 4 in rounds:
+        every += round_four(round_four_files(folder, root))
+    if 5 in rounds:
+        every += round_five(round_five_files(folder, root))
     for i, (label, overrides) in enumerate(every, start=1):
         code, seconds, stderr = run(overrides, root, args.timeout)
         trace = "Traceback" in stderr

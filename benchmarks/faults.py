@@ -322,6 +322,57 @@ def main() -> int:
         "-",
     )
 
+    # gc --delete --resume-state while a training runs: its work folder (checkpoints) is kept.
+    root = base / "gc-live"
+    proc = start_runner(_cmd(model, data, root, *slow[1:], "data.num_samples=150"))
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "'global_step': 3" in line:
+            break
+    gc = run_runner(
+        [
+            sys.executable,
+            "-m",
+            "runner.commands.gc",
+            "--output-root",
+            str(root),
+            "--delete",
+            "--resume-state",
+        ]
+    )
+    kept = [p.name for p in (root / "scratch").glob("train-*")]
+    rest = proc.communicate(timeout=900)[0]
+    row(
+        "gc --delete --resume-state during training",
+        "gc",
+        proc.returncode,
+        _line(gc.stdout, "keep    in use"),
+        _statuses(root),
+        f"train work folders kept while it ran: {len(kept)}",
+        _line(lines[-1] + rest, "==== eagle3 runner"),
+    )
+
+    # A file of the draft folder linked out of it: publish ships nothing.
+    (train,) = (p for p in (root / "store" / "train").iterdir() if p.is_dir())
+    secret = base / "host_secret.txt"
+    secret.write_text("this machine's own\n")
+    (train / "draft" / "notes.txt").symlink_to(secret)
+    out = base / "published-link"
+    got = run_runner(
+        [sys.executable, "-m", "runner.commands.publish", str(out), "--output-root", str(root)]
+    )
+    row(
+        "draft file linked to a host file",
+        "publish",
+        got.returncode,
+        _line(got.stdout + got.stderr, "publish:"),
+        "-",
+        f"anything written: {out.exists()}",
+        "-",
+    )
+
     print("\n| fault | where | exit | message | MLflow | left behind | rerun |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -49,3 +49,39 @@ def test_an_ignored_sighup_stays_ignored_and_a_foreign_sigusr1_is_left_alone(res
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     with stop_on_signals(), handling((signal.SIGUSR1,), lambda *_: None) as inner:
         assert not foreign(inner[signal.SIGUSR1])
+
+
+def test_a_plans_probe_dies_with_the_plan(tmp_path):
+    """A probe child started as the plan starts them (vLLM asked in a child process) is killed
+    by the kernel the moment the plan's process is killed outright, not left for minutes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    marker = tmp_path / "probe.pid"
+    probe_code = (
+        f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    )
+    plan = (
+        "import subprocess, sys\n"
+        "from runner.core.interrupts import end_with_parent\n"
+        f"subprocess.run([sys.executable, '-c', {probe_code!r}], preexec_fn=end_with_parent)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", plan], cwd=Path(__file__).parents[1])
+    deadline = time.time() + 60
+    while not (marker.exists() and marker.read_text()):
+        assert time.time() < deadline and parent.poll() is None
+        time.sleep(0.05)
+    probe = int(marker.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    t0 = time.time()
+    while Path(f"/proc/{probe}").exists():
+        state = Path(f"/proc/{probe}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "Z":
+            break
+        assert time.time() - t0 < 5, "the probe outlived the plan"
+        time.sleep(0.05)

@@ -803,3 +803,27 @@ def test_a_heldout_set_that_takes_the_whole_source_is_refused_in_the_plan(tmp_pa
         tiny_model_dir, data, tmp_path / "out", EVERY_STAGE, heldout, "data.hold_out=2", samples=10
     ).plan.render()
     assert "WARNING  data.hold_out: the held-out set has room for 2 prompts" in few
+
+
+def test_a_target_whose_weights_change_is_a_new_target(tmp_path, tiny_model_dir):
+    """A target's identity is its weights' bytes: a fine-tune saved over the folder (the same
+    names, shapes and sizes) extracts again; the same bytes in another folder reuse the states."""
+    from safetensors.torch import load_file, save_file
+
+    data = _chats(tmp_path / "c.jsonl", 6)
+    target = shutil.copytree(tiny_model_dir, tmp_path / "target")
+    stages = "run.stages=[prepare,extract]"
+    first = run_job(compose(tiny(target, data, tmp_path / "out", stages)))
+    assert first.stages["extract"] == "computed"
+    twin = shutil.copytree(target, tmp_path / "twin")  # the same bytes elsewhere
+    assert run_job(compose(tiny(twin, data, tmp_path / "out", stages))).stages["extract"] == (
+        "cached"
+    )
+    weights = load_file(str(target / "model.safetensors"))
+    name = next(k for k in weights if "layers.0" in k)
+    weights[name] = weights[name] * 1.01  # a fine-tune: the same shapes and file size
+    size = (target / "model.safetensors").stat().st_size
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    assert (target / "model.safetensors").stat().st_size == size
+    again = run_job(compose(tiny(target, data, tmp_path / "out", stages)))
+    assert again.stages["extract"] == "computed"

@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from runner.assets.target_layout import TargetLayout, layout_from_config
 from runner.core.errors import ConfigError
+from runner.core.json_cache import remembered as remembered_answer
 from runner.core.layer_ids import CAPTURE_PRESETS
-from runner.core.layout import RunLayout
+from runner.core.layout import RunLayout, user_cache
 from runner.core.packages import PACKAGE_PREFIX, package_dir
 from runner.core.schema import ModelConfig, RunnerConfig
+
+log = logging.getLogger("runner")
 
 MINIATURE_PREFIX = "miniature:"
 LAYOUT_VERSION = "1"  # bump when runner.assets.target_layout changes what a layout holds
@@ -157,6 +162,30 @@ def check_gguf(path: Path, key: str) -> None:
         raise ConfigError(key, f"{path} is not a GGUF file (it does not start with 'GGUF')")
 
 
+def content_digest(path: Path) -> str:
+    """The sha256 of a weights file's bytes: read once, then remembered in the user's cache by
+    the file's real path, size, modification time and inode (an edit or a replacement gives a
+    new entry). A file of the Hugging Face cache is named by its sha256 already (its blob):
+    read from the name, free."""
+    real = path.resolve()
+    if real.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", real.name):
+        return real.name
+    st = real.stat()
+
+    def digest() -> tuple[str, bool]:
+        if st.st_size > 1 << 30:  # minutes on a large target's shards: say why it waits
+            log.info(
+                "hashing %s (%.1f GiB) once: a target's identity is its weights",
+                real,
+                st.st_size / (1 << 30),
+            )
+        with open(real, "rb") as fh:
+            return hashlib.file_digest(fh, "sha256").hexdigest(), True
+
+    key = f"{real}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    return remembered_answer(user_cache() / "file_digests.json", key, digest)
+
+
 def _sha(*parts: Any) -> str:
     h = hashlib.sha256()
     for part in parts:
@@ -174,9 +203,8 @@ def read_target_config(
     template = model_cfg.chat_template or ""
     if src.kind == "package":
         assert src.gguf is not None
-        ident = _sha(
-            model_cfg.source[len(PACKAGE_PREFIX) :], src.gguf.name, src.gguf.stat().st_size
-        )
+        package = model_cfg.source[len(PACKAGE_PREFIX) :]
+        ident = _sha(package, src.gguf.name, content_digest(src.gguf))
         converted = Path(src.load_path) / "config.json"
         remembered = cache_dir / "gguf_configs" / f"{ident}.json" if cache_dir else None
         if converted.is_file():
@@ -213,9 +241,11 @@ def read_target_config(
                 if (path / n).is_file()
             ]
         )
+        # The weights' own bytes, not their names and sizes: a fine-tune saved over the target,
+        # or another model of the same shapes, is another target and reuses none of its stages.
         weights = _sha(
             (path / "config.json").read_bytes(),
-            *[f"{f.name}:{f.stat().st_size}" for f in sorted(path.glob("*.safetensors"))],
+            *[f"{f.name}:{content_digest(f)}" for f in sorted(path.glob("*.safetensors"))],
         )
         return config, _sha(tok, template), weights
     try:

@@ -21,6 +21,7 @@ install their own handlers while they run and raise `Interrupted` once stopped.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -164,3 +165,23 @@ def companion(name: str, work: Any) -> int:
             file=sys.stderr,
         )
         return stopped.exit_code
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int, parent_pid: int | None = None) -> bool:
+    """Ask the kernel to send this process `sig` when its parent dies (PR_SET_PDEATHSIG), and,
+    given the pid the parent had, say whether it is still the parent. The request covers only a
+    parent that dies after it: one killed before (while a spawned worker was still importing) has
+    already left this process to a new parent (init, or a subreaper such as a container's init,
+    so not always pid 1), and the caller must end itself."""
+    with contextlib.suppress(OSError, AttributeError):  # (no prctl outside Linux)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    return parent_pid is None or os.getppid() == parent_pid
+
+
+def end_with_parent() -> None:
+    """A `preexec_fn` for a short-lived helper child (a plan's probe): SIGKILL when the process
+    that started it dies, so that a plan killed outright leaves no probe running for minutes."""
+    die_with_parent(signal.SIGKILL)

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runner.core.interrupts import end_with_parent
 from runner.core.json_cache import remembered
 from runner.core.layout import user_cache
 from runner.integrations.versions import version_tuple
@@ -142,6 +143,7 @@ def _ask_child(script: str, *args: str) -> tuple[dict[str, Any] | None, bool]:
             text=True,
             timeout=300,
             check=True,
+            preexec_fn=end_with_parent,  # a plan killed outright takes its probe with it
         ).stdout
         return json.loads(out.strip().splitlines()[-1]), True
     except (subprocess.SubprocessError, ValueError, IndexError, OSError):
@@ -173,6 +175,7 @@ def engine_args_problem(args: list[str], version: str) -> str | None:
                 capture_output=True,
                 text=True,
                 timeout=120,
+                preexec_fn=end_with_parent,
             )
         except (subprocess.SubprocessError, OSError):
             return None, False  # not asked: the server's start will say

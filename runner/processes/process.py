@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import logging
 import os
 import shlex
@@ -35,20 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from runner import SOURCE_ROOT
+from runner.core.interrupts import die_with_parent
 
 log = logging.getLogger("runner")
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int, parent_pid: int | None = None) -> bool:
-    """Ask the kernel to send this process `sig` when its parent dies (PR_SET_PDEATHSIG), and,
-    given the pid the parent had, say whether it is still the parent. The request covers only a
-    parent that dies after it: one killed before (while a spawned worker was still importing) has
-    already left this process to a new parent (init, or a subreaper such as a container's init,
-    so not always pid 1), and the caller must end itself."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-    return parent_pid is None or os.getppid() == parent_pid
 
 
 def _die_with_parent() -> None:

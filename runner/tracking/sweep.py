@@ -161,7 +161,7 @@ def _check_search(config: DictConfig) -> None:
             _refuse(f"hydra.sweeper.{key}", f"is {value!r}: a search needs a whole number >= 1")
     direction = sweeper.get("direction")
     listed = list(direction) if OmegaConf.is_list(direction) else [direction]
-    wrong = [d for d in listed if str(d).lower() not in DIRECTIONS]
+    wrong = [d for d in listed if d is not None and str(d).lower() not in DIRECTIONS]
     if wrong:
         _refuse(
             "hydra.sweeper.direction",
