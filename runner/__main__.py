@@ -201,7 +201,13 @@ def console() -> None:
     from runner.commands.cli import dispatch
 
     compose_root()
-    dispatch(entry)
+    try:
+        dispatch(entry)
+    except BrokenPipeError:
+        # The reader left (`eagle3-runner --help | head`): what it read is what it wanted. The
+        # output still buffered goes nowhere, not into a traceback at exit (Python's own advice).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -172,3 +172,44 @@ def test_cp_copies_a_preset_to_edit_and_says_how_to_use_it(tmp_path, capsys):
         with pytest.raises(SystemExit) as refused:
             cp.main(bad)
         assert refused.value.code == 2
+
+
+def test_output_cut_short_by_a_reader_ends_quietly(tmp_path):
+    """`eagle3-runner --help | head -1`: the reader leaving is not an error (no traceback, no
+    "config error"), exit 0."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    cmd = f"{sys.executable} -m runner --help | head -1"
+    proc = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", cmd],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("eagle3-runner:") and proc.stderr == ""
+
+
+def test_a_draft_trained_elsewhere_is_evaluated_alone(tmp_path):
+    """eval.draft with no run.stages: evaluate alone (a draft trained here would be ignored);
+    stages named explicitly are kept."""
+    from runner.core.schema import typed
+    from tests.conftest import compose
+
+    draft = tmp_path / "draft"
+    assert typed(compose([f"eval.draft={draft}"])).run.stages == ["evaluate"]
+    both = typed(compose([f"eval.draft={draft}", "run.stages=[prepare,evaluate]"]))
+    assert both.run.stages == ["prepare", "evaluate"]
+    assert typed(compose([])).run.stages == ["all"]
+
+
+def test_gc_with_nothing_to_remove_says_so(tmp_path, capsys):
+    from runner.commands.gc import main as gc
+
+    (tmp_path / "store").mkdir()
+    assert gc(["--output-root", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip().endswith("nothing to remove")

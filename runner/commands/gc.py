@@ -149,6 +149,15 @@ def main(argv: list[str] | None = None) -> int:
             total += size
     if args.delete:
         print(f"removed {fmt_bytes(removed)}")
+    elif not total:
+        print(
+            "nothing to remove"
+            + (
+                " (resume state kept; --resume-state removes it)"
+                if any(k == "resume" for k, _, _ in found)
+                else ""
+            )
+        )
     else:
         print(f"{fmt_bytes(total)} removable; run again with --delete to remove it")
     return 0

@@ -825,7 +825,7 @@ class TrackingConfig:
 class RunConfig:
     name: str | None = None
     # Stages this invocation runs (in pipeline order); upstream ones come from the store.
-    # [all] = every stage of the registry (stages/__init__.py).
+    # [all] = every stage of the registry (stages/__init__.py); with eval.draft, evaluate alone.
     stages: list[str] = field(default_factory=lambda: [ALL_STAGES])
     # Stages recomputed even when the store holds a finished artifact for their key ([all] too).
     force: list[str] = field(default_factory=list)
@@ -1075,8 +1075,11 @@ def _resolved(cfg: RunnerConfig) -> RunnerConfig:
     every stage, key and figure sees the format it computes in; serving flags folded."""
     if cfg.hardware.dtype == Dtype.auto:
         cfg.hardware.dtype = Dtype(choose_dtype(str(cfg.hardware.device)).dtype)
+    ev = getattr(cfg, "eval", None)  # the evaluate stage's section, where it is registered
+    if ev is not None and ev.draft and cfg.run.stages == [ALL_STAGES]:
+        # A draft trained elsewhere is evaluated alone: training one here would be ignored.
+        cfg.run.stages = ["evaluate"]
     if cfg.data.hold_out is None:
-        ev = getattr(cfg, "eval", None)  # the evaluate stage's section, where it is registered
         serves = ev is not None and "heldout" in ev.prompts and not ev.draft
         cfg.data.hold_out = HELD_OUT_ROOM if serves else 0
     # Serving settings written as flags in hardware.vllm.extra_args are the typed keys'

@@ -604,8 +604,13 @@ def plan(p: Plan, view: PlanView) -> None:
         )
         p.add(
             "speed",
-            f"{speed_repeats(cfg)} warm repeats at concurrency 1 and at batch, each pass at "
-            f"least {cfg.eval.speed_pass_s:g} s (eval.speed_pass_s); {how} ({why}; "
+            f"{speed_repeats(cfg)} warm repeats at concurrency 1 and at batch, each pass "
+            + (
+                f"at least {cfg.eval.speed_pass_s:g} s (eval.speed_pass_s)"
+                if cfg.eval.speed_pass_s > 0
+                else "one round of the prompts (eval.speed_pass_s=0)"
+            )
+            + f"; {how} ({why}; "
             "eval.speed_servers)"
             + (", checked by a second client (eval.speed_check)" if cfg.eval.speed_check else "")
             + (

@@ -223,14 +223,19 @@ def plan(p: Plan, view: PlanView) -> None:
         f"nothing stored); free at {view.output_root}: {fmt_bytes(free)}",
     )
     rate, source = _planned_rate(view)
+    runs = view.actions.get("extract") == "run"
     if rate:
         p.numbers["write_bytes_per_s"] = rate * bpt
+        takes = tokens_est / rate
         p.add(
             "write bandwidth",
-            f"{fmt_bytes(rate * bpt)}/s at {rate:,.0f} tokens/s ({source}); the extraction "
-            f"takes ~{tokens_est / rate / 3600:,.1f} h",
+            f"{fmt_bytes(rate * bpt)}/s at {rate:,.0f} tokens/s ({source}); "
+            # (A stored extraction is reused: nothing to take.)
+            + (
+                f"the extraction takes {_duration(takes)}" if runs else "reused: nothing to extract"
+            ),
         )
-    if view.actions.get("extract") != "run":
+    if not runs:
         return
     if cfg.hardware.device == "cuda":
         costs_now = [
@@ -256,6 +261,15 @@ def plan(p: Plan, view: PlanView) -> None:
         )
     elif need > 0.8 * free:
         p.warn("run.output_root", f"extraction will fill {need / free:.0%} of the free disk")
+
+
+def _duration(seconds: float) -> str:
+    """'~40 s', '~12 min', '~3.4 h': a plan's time in the unit that reads."""
+    if seconds < 90:
+        return f"~{max(seconds, 1):.0f} s"
+    if seconds < 90 * 60:
+        return f"~{seconds / 60:.0f} min"
+    return f"~{seconds / 3600:,.1f} h"
 
 
 def _planned_rate(view: PlanView) -> tuple[float | None, str]:

@@ -414,7 +414,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ]
     ctx.manifest["row_sources"] = [i for i, _ in merged]
     if any(dropped.values()):
-        log.info("prepare: dropped %s", {k: v for k, v in dropped.items() if v})
+        said = ", ".join(f"{v:,} {k.replace('_', ' ')}" for k, v in dropped.items() if v)
+        log.info("prepare: dropped %s", said)
     metrics: dict[str, Any] = {
         "rows": n,
         "rows_read": sum(t["read"].rows_read for t in taken),
