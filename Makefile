@@ -40,7 +40,7 @@ test-slow: setup  ## Slow lanes: end to end on the reduced default, the vLLM lan
 
 test: setup lint test-fast test-slow  ## Everything CI runs: lint, fast tests, then the slow lanes
 
-test-gpu:  ## The GPU lane (tests marked gpu) on a CUDA machine set up by make setup (docs/gpu.md)
+test-gpu:  ## The GPU lane (tests marked gpu) on a CUDA machine set up by make setup (docs/install.md)
 	@$(call timed,$(PY) -m pytest -q -s -m gpu,gpu lane)
 
 # A GPU machine without network: the tested GPU set (vLLM's CUDA build, constraints/) and the

@@ -24,7 +24,7 @@ on the other side (docs/install.md).
     python scripts/wheelhouse.py bundle wheelhouse/ pieces/ --piece-mib 500
     python3 scripts/wheelhouse.py unbundle pieces/ wheelhouse/
 
-`make wheelhouse` builds one for a Python 3.12 GPU machine (`make gpu-bundle`: the tested GPU set,
+`make wheelhouse` builds one for a Python 3.12 GPU machine (`dev/gpu-bundle.sh`: the tested GPU set,
 in pieces).
 """
 

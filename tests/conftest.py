@@ -167,17 +167,24 @@ def start_runner(
     )
 
 
-def run_until(cmd: list[str], trigger: str, sig: int, timeout: float = 600) -> tuple[int, str]:
-    """Start `cmd`, send `sig` to it once a line contains `trigger`, return (exit code, output)."""
+def run_until(
+    cmd: list[str], trigger: str, sig: int, timeout: float = 600, answer: str | None = None
+) -> tuple[int, str]:
+    """Start `cmd`, send `sig` to it once a line contains `trigger`, return (exit code, output).
+    `answer`: the output also holds, after the signal, "(answered in N.NN s)" for the first line
+    containing `answer` (how long the runner took to say it heard the signal)."""
     proc = start_runner(cmd)
-    lines, sent = [], False
+    lines, sent, answered = [], 0.0, False
     deadline = time.time() + timeout
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
+        if sent and answer and not answered and answer in line:
+            lines.append(f"(answered in {time.time() - sent:.2f} s)\n")
+            answered = True
         if not sent and trigger in line:
             proc.send_signal(sig)
-            sent = True
+            sent = time.time()
         assert time.time() < deadline, "".join(lines[-30:])
     code = proc.wait()
     assert sent, f"never saw {trigger!r}:\n" + "".join(lines[-30:])

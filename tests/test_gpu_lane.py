@@ -62,7 +62,7 @@ UP_TO_TRAIN = "run.stages=[prepare,extract,vocab,train]"
 
 
 def _figures(name: str, values: dict) -> None:
-    """One line the lane's log keeps for docs/gpu.md."""
+    """One line the lane's log keeps for docs/install.md."""
     print(f"GPU-FIGURES {name} {json.dumps(values, default=str)}", flush=True)
 
 

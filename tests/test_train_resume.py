@@ -74,8 +74,11 @@ def test_sigterm_checkpoints_stops_and_the_printed_command_resumes(
     reference, tiny_model_dir, chats_jsonl, tmp_path
 ):
     cmd = _command(tiny_model_dir, chats_jsonl, tmp_path)
-    code, out = run_until(cmd, "'global_step': 40", signal.SIGTERM)
+    code, out = run_until(cmd, "'global_step': 40", signal.SIGTERM, answer="stopping after")
     assert code == 143, out[-3000:]  # 128 + SIGTERM, as shells and schedulers expect
+    # Heard at once, not when the step ends (31 s in one case): the user is not left guessing.
+    heard = float(out.split("(answered in ")[1].split(" s)")[0])
+    assert heard < 1.0, heard
     assert "interrupted by SIGTERM during stage 'train'" in out
     assert "training was stopped by SIGTERM" in out and "saved a checkpoint" in out
     assert "Nothing was published" in out

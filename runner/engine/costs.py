@@ -6,7 +6,7 @@
 A stage that runs on GPUs estimates its own wall time and GPU-hours in its plan hook (extract,
 train, evaluate do) from, first match wins: this store's latest finished artifact of that stage
 made on the same hardware (`measured`: manifests record the hardware), a planned figure the
-config gives, then the shipped table runner/rates.yaml (rows measured on an H200, estimates
+config gives, then the shipped table runner/engine/rates.yaml (rows measured on an H200, estimates
 marked as such), scaled to another GPU kind by its `gpu_speed` factor. Every line says where its
 rate came from, and "estimate" wherever a figure is not a measurement of this configuration.
 The preflight adds the total and what one more box would change (`total_lines`).

@@ -163,6 +163,14 @@ def _stop_signals(state: TrainingState) -> Iterator[None]:
     def handler(signum: int, _frame: Any) -> None:
         if state.stop_signal is None:
             state.stop_signal = signal.Signals(signum).name
+            if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
+                # Said at once (a step can take half a minute on a CPU); os.write: a handler
+                # may interrupt a print.
+                os.write(
+                    2,
+                    f"\n[train] {state.stop_signal}: stopping after this step, with a "
+                    "checkpoint to resume from (the same signal again stops now)\n".encode(),
+                )
             for sig, old in state.previous_handlers.items():
                 if sig != signal.SIGUSR1:  # kept for the requeue after the checkpoint
                     signal.signal(sig, old)

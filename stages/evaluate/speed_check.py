@@ -32,8 +32,8 @@ from runner.assets.prompts import Prompt, messages
 # Untimed passes (concurrency 1, then the batch) before the timed ones.
 WARM_PASSES = 2
 # The most the two measurements of a ratio may differ by before the check says they disagree:
-# the goal of the GPU issue (docs/gpu.md), above the spread of one server's repeats measured on
-# the H200 (sd of the per-repeat ratios 0.02 to 0.06).
+# the speed goal the GPU measurements were held to (docs/benchmarks.md), above the spread of one
+# server's repeats measured on the H200 (sd of the per-repeat ratios 0.02 to 0.06).
 AGREE_WITHIN = 0.10
 
 

@@ -294,7 +294,7 @@ def cost(view: PlanView, nodes: int) -> Cost | None:
     tokens over (tokens/s a server x servers). In process, one pass on this box; through vLLM,
     hardware.vllm.data_parallel servers a box (the other boxes' through hardware.vllm.endpoints).
     The rate: this store's last extraction of the same weights on this hardware, else
-    hardware.extract_tokens_per_s, else runner/rates.yaml."""
+    hardware.extract_tokens_per_s, else runner/engine/rates.yaml."""
     cfg, hw = view.cfg, view.cfg.hardware
     tokens, _exact = costs.prepared_tokens(view, "prepare")
     backend = cfg.extract.backend
