@@ -46,8 +46,8 @@ def _check_with_speculators(p: Plan, view: PlanView) -> None:
 def cost(view: PlanView, nodes_: int) -> costs.Cost | None:
     """Training's wall time and GPU-hours on `nodes_` boxes: the seconds outside the steps plus
     tokens x epochs over (tokens/s a GPU x ranks x efficiency). The rate: this store's last
-    training of a draft of the same shape on this hardware, else runner/engine/rates.yaml's row nearest
-    in hidden size (scaled by draft size when the shape differs: an estimate)."""
+    training of a draft of the same shape on this hardware, else runner/engine/rates.yaml's row
+    nearest in hidden size (scaled by draft size when the shape differs: an estimate)."""
     cfg = view.cfg
     hidden, vocab = view.target.facts.hidden_size, cfg.vocab.draft_vocab_size
     table = costs.rows("train")
