@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_intermixed_args(argv)
 
-    from runner.__main__ import compose_root
+    from runner.composition import compose_root
 
     compose_root()
     from runner.assets.sources import load_prompt_sets

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import datasets
 
-    from runner.__main__ import compose_root
+    from runner.composition import compose_root
 
     compose_root()
     from runner.core.schema import typed

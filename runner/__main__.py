@@ -4,9 +4,9 @@ companion tool (runner/commands/cli.py).
 
 Composes conf/ (see conf/config.yaml), checks the config, materialises the target, plans the
 stages against the artifact store, runs or reuses each one inside one MLflow run, and prints a
-summary with the `eagle3-runner ui` command that shows the run. This module is the composition root:
-it builds the stage registry (stages/__init__.py) and hands it to the engine, which imports no
-stage itself. Examples:
+summary with the `eagle3-runner ui` command that shows the run. The stage registry comes from the
+composition root (runner/composition.py), which hands it to the engine; nothing imports this
+module. Examples:
     python -m runner                                   # embedded default, CPU, no network
     python -m runner vocab.draft_vocab_size=16384      # re-runs vocab, train, evaluate only
     python -m runner run.stages=[prepare,extract]      # e.g. on the GPU box
@@ -30,39 +30,16 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from runner.composition import REGISTRY, compose_root
 from runner.core.config_files import check_config_dirs
 from runner.core.errors import ConfigError, StageError
 from runner.core.interrupts import Interrupted, as_interrupted, held_back
-from runner.core.schema import DataSource, did_you_mean, register, schema_for
+from runner.core.schema import DataSource, did_you_mean, schema_for
 from runner.engine.job import rerun_command, run_job, stages_started
-from runner.engine.stage import Stage
-from runner.integrations.hydra_plugins import expose
 from runner.serving.shared_servers import stop_all
 from runner.tracking.sweep import SEARCH_ENV, end_interrupted_sweep
-from stages import REGISTRY  # the composition root: the one module that names the stages
-
-
-def compose_root() -> tuple[Stage, ...]:
-    """The composition root's one act, called before Hydra composes anything: the registry's
-    schema (RunnerConfig plus the sections of stages with settings) becomes Hydra's base config,
-    and the resolver a Slurm job's setup uses is registered. Idempotent; returns the registry.
-    Nothing is registered by importing a module."""
-    register(REGISTRY)
-    expose()  # sweeps/ on Hydra's search path from any folder, editable installs included
-    # The environment `python -m runner` runs in: a Slurm job's setup activates the same one
-    # (conf/hydra/launcher/slurm.yaml).
-    if not OmegaConf.has_resolver("runner_python_prefix"):
-        OmegaConf.register_new_resolver("runner_python_prefix", lambda: sys.prefix)
-    # `--help` lists the stages as the registry has them.
-    if not OmegaConf.has_resolver("runner_stages"):
-        OmegaConf.register_new_resolver(
-            "runner_stages",
-            lambda: ", ".join(f"{s.name}{' (optional)' if s.enabled else ''}" for s in REGISTRY),
-        )
-    return REGISTRY
-
 
 # Set once Hydra has composed a config and called `main`: an exit before that is Hydra refusing
 # the command line or the composition (a wrong type or choice, an unknown group option).

@@ -22,7 +22,7 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from runner.__main__ import compose_root
+from runner.composition import compose_root
 from runner.engine import job
 from runner.engine.stage import Stage
 from stages import REGISTRY

@@ -3,5 +3,6 @@ Kimi-K2.5 miniature, the tokenizer the plan uses, loading its weights), conversa
 read row by row, several sources mixed, the chat template's rendering), prompt sets, and drafts
 packed for another machine (`transfer`).
 
-May import: runner.core and runner.integrations. Not the engine, serving, tracking or commands.
+May import: runner.core. Not the integrations (which read assets), the engine, serving, tracking
+or commands.
 """

@@ -170,7 +170,7 @@ def describe_key(key: str, overrides: list[str]) -> str:
     """One key's help: type, value in the composed config, where it is set, the comment."""
     from omegaconf import OmegaConf
 
-    from runner.__main__ import compose_root
+    from runner.composition import compose_root
     from runner.core.schema import schema_for
 
     cls: Any = schema_for(compose_root())

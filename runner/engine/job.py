@@ -1,7 +1,7 @@
 """One runner job: typed config, checks, target facts, plan, stages in one MLflow run, summary.
 
 `run_job(cfg, stages=REGISTRY)` is what `python -m runner` calls once per job (once per sweep
-point under `-m`), with the registry the composition root (runner/__main__.py) hands it. It can
+point under `-m`), with the registry the composition root (runner/composition.py) hands it. It can
 be called directly with a composed config and any stages, which is how the tests drive it.
 The order is fixed: convert the composed config to `RunnerConfig` and run the config checks,
 read the target's facts from its config files and check the config against them, plan once (and

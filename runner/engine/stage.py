@@ -1,7 +1,7 @@
 """The stage contract: what one pipeline stage declares, and what it is handed when it runs.
 
 Every module under stages/ exports one `Stage` object; `stages/__init__.py` lists them in
-pipeline order (the registry, the one list of stages). The composition root (runner/__main__.py)
+pipeline order (the registry, the one list of stages). The composition root (runner/composition.py)
 hands that registry to the engine (`run_job(cfg, stages=...)`); no other module of runner/
 imports stages/. The engine (job, pipeline, preflight, sweep, report) reads everything it needs
 from these objects and never names a stage. Adding a stage is one module plus one registry line:
