@@ -5,8 +5,8 @@ The engine (runner/) runs whatever stages it is handed; the one place that knows
 composition root, runner/composition.py, which builds the registry (stages/__init__.py) and passes
 it in (the entry point, runner/__main__.py, and the commands that need the schema call it; nothing
 imports the entry point). A helper two stages share lives in a room of runner/ below both. Read
-from the source with ast, so a lazy import inside a function counts as much as one at the top (it is an arrow all
-the same, and cycles hidden in functions are still cycles).
+from the source with ast, so a lazy import inside a function counts as much as one at the top
+(it is an arrow all the same, and cycles hidden in functions are still cycles).
 Run `python -m tests.test_import_graph` to print the drawing's circles.
 """
 
