@@ -10,7 +10,7 @@ import mlflow
 import pytest
 
 from runner.serving.vllm_server import counters_delta
-from runner.tracking.job_tags import COLUMNS_TAG
+from runner.tracking.job_tags import COLUMNS_TAG, OBJECTIVE_TAG
 from runner.tracking.sweep import comparison_rows, render_table
 from stages.evaluate.measures import acceptance, teacher_forced
 from stages.evaluate.report import columns as evaluate_columns
@@ -82,8 +82,10 @@ def test_sweep_table_has_a_column_per_position_for_every_k(tmp_path):
         client.log_metric(run_id, "time/evaluate_s", 10.0)
         # What the job records from the evaluate stage's declared columns.
         metrics = {"acceptance_length": 1.5 + job}
+        metrics.update(acceptance_length_ci_low=1.4 + job, acceptance_length_ci_high=1.6 + job)
         metrics.update({f"acceptance_pos_{i}": 0.5 / (i + 1) for i in range(k)})
         client.set_tag(run_id, COLUMNS_TAG, json.dumps(evaluate_columns(metrics)))
+        client.set_tag(run_id, OBJECTIVE_TAG, "acceptance_length")
         client.set_terminated(run_id)
     rows = comparison_rows(client, parent.info.run_id)
     positions = [c for c in rows[0] if c.startswith("acc_pos_")]
@@ -94,6 +96,14 @@ def test_sweep_table_has_a_column_per_position_for_every_k(tmp_path):
     assert "acc_pos_4" in table.splitlines()[0] and "sweep time 20 s" in table
     narrow = render_table(rows)  # the console's 120 columns, the rest named
     assert all(len(line) <= 120 for line in narrow.splitlines()[:4]) and "acc_pos_4" in narrow
+    # The decision first: both ends of the objective's interval and vs_best fit the console,
+    # and one line says which job is best and by how much.
+    header = narrow.splitlines()[0]
+    assert "acceptance_length_hi" in header and "vs_best" in header, header
+    assert (
+        "best: job 1 (eval.num_speculative_tokens=5): acceptance_length 2.500 (2.400-2.600); "
+        "the rest below it"
+    ) in narrow
 
 
 def test_a_divergence_at_a_near_tie_is_told_from_a_real_mismatch():

@@ -42,7 +42,7 @@ from runner.core.interrupts import between_jobs, held_back
 from runner.core.store import writable_root
 from runner.serving import shared_servers
 from runner.tracking.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, PLOTTED_TAG, SERIES_TAG
-from runner.tracking.recipes import NOISE, mark_noise, recipes
+from runner.tracking.recipes import BEST, NOISE, mark_noise, recipes
 from runner.tracking.runs import Tracker, check_store, process_tags, tracking_uri, ui_command
 
 log = logging.getLogger("runner")
@@ -421,7 +421,7 @@ def render_table(rows: list[dict[str, Any]], width: int | None = TABLE_WIDTH) ->
     `width` characters (None: all), and a last line naming those left out."""
     if not rows:
         return "(no jobs)"
-    cols = [c for c in rows[0] if c != "run_id"]
+    cols = _decision_first([c for c in rows[0] if c != "run_id"])
     fmt = _cell
     cells = [[fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
@@ -443,6 +443,7 @@ def render_table(rows: list[dict[str, Any]], width: int | None = TABLE_WIDTH) ->
             f"({len(cols) - keep} more column(s): {', '.join(cols[keep:])}; "
             "eagle3-runner report --wide, --csv or --json shows them)"
         )
+    out += _best_line(rows)
     if len(rows) == 1 or "job_s" not in rows[0]:
         return "\n".join(out)
     total_job = sum(r["job_s"] for r in rows)
@@ -451,6 +452,50 @@ def render_table(rows: list[dict[str, Any]], width: int | None = TABLE_WIDTH) ->
         f"sweep time {total_job:.0f} s; the same jobs alone, nothing shared: {total_alone:.0f} s"
     )
     return "\n".join(out)
+
+
+def _decision_first(cols: list[str]) -> list[str]:
+    """The columns a decision reads first: the job, its settings, the objective with both ends
+    of its interval and vs_best; then the rest (positions, other sets, times), which a narrow
+    console may name instead of showing."""
+    if "vs_best" not in cols:
+        return cols
+    later = [c for c in ("status", "capture_ids") if c in cols]  # after the decision
+    rest = [c for c in cols if c != "vs_best" and c not in later]
+    his = [c for c in rest if c.endswith("_hi") and c[:-3] in rest]
+    at = rest.index(his[0]) + 1 if his else len(rest)
+    return [*rest[:at], "vs_best", *later, *rest[at:]]
+
+
+def _best_line(rows: list[dict[str, Any]]) -> list[str]:
+    """'best: job 2 (eval.num_speculative_tokens=5): acceptance_length 2.310 (2.200-2.420);
+    within its noise: job(s) 1': the decision in one line, from the rows' vs_best."""
+    top = next((r for r in rows if r.get("vs_best") == BEST), None)
+    if top is None:
+        return []
+    keys = list(top)
+    settings = (
+        keys[keys.index("status") + 1 : keys.index("capture_ids")]
+        if ("status" in keys and "capture_ids" in keys)
+        else []
+    )
+    chosen = ", ".join(f"{k}={top.get(k)}" for k in settings)
+    his = [k for k in keys if k.endswith("_hi") and k[:-3] in top and f"{k[:-3]}_lo" in top]
+    figure = ""
+    if his:
+        name = his[0][:-3]
+        figure = (
+            f": {name} {_cell(top.get(name))} ({_cell(top.get(f'{name}_lo'))}-"
+            f"{_cell(top.get(f'{name}_hi'))})"
+        )
+    close = [str(r.get("job")) for r in rows if r.get("vs_best") == NOISE]
+    return [
+        f"best: job {top.get('job')}"
+        + (f" ({chosen})" if chosen else "")
+        + figure
+        + (f"; within its noise: job(s) {', '.join(close)}" if close else "")
+        + ("; the rest below it" if len(rows) > 1 and not close else "")
+    ]
 
 
 def log_comparison(
