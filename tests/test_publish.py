@@ -340,3 +340,32 @@ def test_a_link_out_of_the_draft_folder_is_never_shipped(trained, tmp_path, caps
         )
     finally:
         link.unlink(missing_ok=True)
+
+
+def test_a_stage_artifact_moves_to_another_root_and_is_reused_there(
+    trained, tmp_path, tiny_model_dir, chats_jsonl
+):
+    """transfer export/import: a stage's artifact (here prepare's; regenerate's travels the same
+    way) leaves with its manifest and lands in another root's store under its key, checked file
+    by file; a run there with the same settings reuses it. A copy whose bytes differ from its
+    manifest is refused and leaves nothing in the store."""
+    from runner.assets.transfer import main as transfer
+
+    out, other = tmp_path / "prepared", tmp_path / "other_root"
+    assert transfer(["export", "prepare", str(out), "--output-root", str(trained)]) == 0
+    (key,) = [p.name for p in (trained / "store" / "prepare").iterdir() if p.is_dir()]
+    bad = shutil.copytree(out, tmp_path / "bad")
+    victim = next(p for p in sorted(bad.rglob("*")) if p.is_file() and p.name != "manifest.json")
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert transfer(["import", str(bad), str(other)]) == 1
+    assert not (other / "store" / "prepare" / key).exists()
+    assert transfer(["import", str(out), str(other)]) == 0
+    assert (other / "store" / "prepare" / key / "manifest.json").is_file()
+    extra = ["model.capture_layers=[1,2,3]", "model.license=mit", "data.hub_id=org/tiny-chats"]
+    again = run_job(
+        compose(tiny_overrides(tiny_model_dir, chats_jsonl, other, *extra, "run.stages=[prepare]"))
+    )
+    assert again.stages == {"prepare": "cached"}
+    assert transfer(["import", str(out), str(other)]) == 1  # already there: said, not replaced

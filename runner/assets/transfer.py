@@ -1,7 +1,12 @@
-"""Move a trained draft between machines without the copy of the target's embeddings it holds.
+"""Move drafts and stage artifacts between machines, each checked where it arrives.
+
+A trained draft travels without the copy of the target's embeddings it holds (pack, unpack); any
+stage's artifact travels between output roots with its manifest (export, import).
 
     eagle3-runner transfer pack DRAFT_DIR OUT_DIR --target TARGET
     eagle3-runner transfer unpack OUT_DIR.packed DRAFT_DIR --target TARGET
+    eagle3-runner transfer export regenerate[:KEY] OUT_DIR --output-root ROOT
+    eagle3-runner transfer import OUT_DIR OTHER_ROOT
 (`python -m runner.assets.transfer` is the same tool.) TARGET is the target's model folder or its
 hub
 id (e.g. moonshotai/Kimi-K2.5): from the hub only the files that hold the tensors the draft shares
@@ -21,6 +26,12 @@ evaluate stage's plan (eval.draft) refuse it.
 
 Evaluate a draft that was trained elsewhere with `python -m runner eval.draft=OUT_DIR
 run.stages=[evaluate]` (the same model, hardware and eval settings as any run).
+
+`export` copies a published artifact of a stage (its newest, or the one of KEY) with its
+manifest, after checking every file's sha256 against it; `import` places it in another root's
+store under its own stage and key once every file matches again. A run there with the same
+settings, target weights and libraries computes the same key and reuses it: the target's answers
+regenerated once on one machine (`regenerate=vllm`), each training arm on a machine of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -35,7 +47,9 @@ from typing import Any
 
 from runner.assets.target_facts import hub_repo_id
 from runner.core.interrupts import companion
-from runner.core.store import new_folder
+from runner.core.layout import default_root
+from runner.core.store import MANIFEST as STORE_MANIFEST
+from runner.core.store import Artifact, ArtifactStore, damage, new_folder
 
 WEIGHTS = "model.safetensors"
 MANIFEST = "packed.json"
@@ -219,28 +233,101 @@ def unpack(packed: Path, out: Path, target: str | Path) -> dict[str, Any]:
     return record
 
 
+def export(root: Path, which: str, out: Path) -> Artifact:
+    """A stage's published artifact (`stage:key`, or `stage` for its newest) copied to `out`,
+    manifest included, after every file was checked against it (sha256)."""
+    stage, _, key = which.partition(":")
+    store = ArtifactStore(root)
+    art = store.get(stage, key) if key else store.latest(stage)
+    if art is None:
+        raise FileNotFoundError(
+            f"no finished {stage} artifact{' ' + key if key else ''} in {store.root} "
+            "(eagle3-runner ls and the run's manifests name the keys)"
+        )
+    wrong = damage(art, full=True)
+    if wrong is not None:
+        raise ValueError(f"{art.path} is damaged ({wrong}): nothing exported")
+    refuse_links_out(art.path)
+    with new_folder(out) as tmp:
+        shutil.copytree(art.path, tmp, dirs_exist_ok=True)
+    return art
+
+
+def import_artifact(src: Path, root: Path) -> Artifact:
+    """An exported artifact placed in `root`'s store under its own stage and key, once every
+    file matches its manifest: a run there with the same settings reuses it as if computed
+    there (the key is the settings', the target's weights' and the libraries')."""
+    try:
+        manifest = json.loads((src / STORE_MANIFEST).read_text())
+        stage, key = str(manifest["stage"]), str(manifest["key"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{src} is not an exported artifact ({STORE_MANIFEST}: {exc})") from None
+    refuse_links_out(src)
+    store = ArtifactStore(root)
+    final = store.path(stage, key)
+    if store.get(stage, key) is not None:
+        raise FileExistsError(f"{stage} {key} is already in {store.root}: nothing to import")
+    tmp = final.parent / f".tmp-{key}-import-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(src, tmp)
+        wrong = damage(Artifact(stage, key, tmp), full=True)
+        if wrong is not None:
+            raise ValueError(f"{src} does not match its manifest ({wrong}): nothing imported")
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Artifact(stage, key, final)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="eagle3-runner transfer", description=__doc__.splitlines()[0])
-    ap.add_argument("action", choices=("pack", "unpack"))
-    ap.add_argument("src", type=Path, help="the draft folder (pack) or the packed one (unpack)")
+    ap = argparse.ArgumentParser(
+        prog="eagle3-runner transfer",
+        description=__doc__.splitlines()[0],
+        epilog="export/import: any stage's artifact (e.g. a regeneration made on another machine) "
+        "moved with its manifest and checked by it",
+    )
+    ap.add_argument("action", choices=("pack", "unpack", "export", "import"))
+    ap.add_argument(
+        "src",
+        help="pack: the draft folder; unpack: the packed one; export: STAGE or STAGE:KEY of "
+        "--output-root's store; import: the exported folder",
+    )
     ap.add_argument(
         "out",
         type=Path,
-        help="the folder to write (must not exist, or be empty); pack adds .packed",
+        help="pack/unpack/export: the folder to write (must not exist, or be empty; pack adds "
+        ".packed); import: the output root whose store receives it",
     )
+    ap.add_argument("--target", help="pack/unpack: the target's model folder, or its hub id")
     ap.add_argument(
-        "--target", required=True, help="the target's model folder, or its hub id (org/name)"
+        "--output-root",
+        type=Path,
+        default=Path(default_root()),
+        metavar="DIR",
+        help="export: the output root to read (default: $EAGLE3_RUNNER_HOME, else ./outputs)",
     )
     args = ap.parse_args(argv)
+    if args.action in ("pack", "unpack") and not args.target:
+        ap.error(f"{args.action} needs --target (the target's model folder, or its hub id)")
     return companion("transfer", lambda: _main(args))
 
 
 def _main(args: argparse.Namespace) -> int:
     try:
+        if args.action in ("export", "import"):
+            if args.action == "export":
+                art = export(args.output_root.expanduser(), args.src, args.out)
+                where = args.out
+            else:
+                art = import_artifact(Path(args.src), args.out.expanduser())
+                where = art.path
+            print(f"{args.action}ed {art.stage} {art.key} -> {where}")
+            return 0
         if args.action == "pack":
-            rec = pack(args.src, args.out, args.target)
+            rec = pack(Path(args.src), args.out, args.target)
         else:
-            rec = unpack(args.src, args.out, args.target)
+            rec = unpack(Path(args.src), args.out, args.target)
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"transfer: {exc}", file=sys.stderr)
         return 1

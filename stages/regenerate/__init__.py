@@ -509,6 +509,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     }
     if generations:
         metrics["bad_fraction"] = bad / generations
+    log.info("[regenerate] %s", counts_line(metrics, ctx.cfg))
     return metrics
 
 
@@ -562,11 +563,21 @@ def plan(p: Plan, view: PlanView) -> None:
 def summary(metrics: dict[str, Any], _path: Path, cfg: RunnerConfig) -> list[str]:
     if "conversations" not in metrics:
         return []
-    return [
-        f"regenerated {metrics['conversations']} conversations ({metrics['generations']} turns, "
-        f"{metrics['generated_tokens']} tokens, {metrics['regenerate_s'] / 60:.1f} min with "
-        f"{cfg.regenerate.backend}); failed {metrics['failed']}, truncated {metrics['truncated']}"
-    ]
+    return [counts_line(metrics, cfg)]
+
+
+def counts_line(metrics: dict[str, Any], cfg: RunnerConfig) -> str:
+    """What regeneration did, in one line: printed when the stage ends and in the summary."""
+    rate = metrics.get("tokens_per_s") or 0.0
+    return (
+        f"regenerated {metrics['conversations']:,} conversations ({metrics['generations']:,} "
+        f"turns, {metrics['generated_tokens']:,} tokens, {rate:,.0f} tokens/s, "
+        f"{metrics['regenerate_s'] / 60:.1f} min with {cfg.regenerate.backend}); "
+        f"{metrics.get('conversations_failed', 0):,} conversations failed, "
+        f"{metrics['failed']:,} turns failed, {metrics['truncated']:,} turns stopped at "
+        f"regenerate.max_tokens={cfg.regenerate.max_tokens}, "
+        f"{metrics.get('stopped_at_max_seq_len', 0):,} at data.max_seq_len"
+    )
 
 
 STAGE = Stage(
