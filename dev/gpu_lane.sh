@@ -36,6 +36,14 @@ export PYTHONPATH=$PWD:$G/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCHINDUCTOR_CACHE_DIR=$G/inductor \
   TRITON_CACHE_DIR=$G/triton MLFLOW_TRACKING_URI= EAGLE3_GPU_LANE_ROOT=$G/root
 PY=${PY:-python3}
+# A detached job runs from its own copy of the tree ($G/src): the next call carries a fresh
+# working tree over this one, and a job whose folder is replaced dies with "getcwd() failed".
+snapshot() {
+  rm -rf $G/src.new && mkdir -p $G/src.new
+  tar -cf - --exclude=./.gpu --exclude=./.venv --exclude=./.git . | tar -xf - -C $G/src.new
+  rm -rf $G/src && mv $G/src.new $G/src
+  export PYTHONPATH=$G/src:$G/site
+}
 case "${1:-}" in
 recv)  # carry SHA256SUMS with every piece: a machine lost between calls comes back bare, and
   # this says at once what it lacks
@@ -58,10 +66,11 @@ start)
   shift
   rm -f $G/*.rc $G/a?.log $G/b.log $G/c.log $G/lane.log $G/phases.txt
   date > $G/started
+  snapshot
   if [ $# -gt 0 ]; then
-    setsid nohup bash -c "$PY -m pytest -m gpu -v -s -p no:cacheprovider $* > $G/lane.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &
+    (cd $G/src && setsid nohup bash -c "$PY -m pytest -m gpu -v -s -p no:cacheprovider $* > $G/lane.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &)
   else
-    setsid nohup bash dev/gpu_lane.sh phases > /dev/null 2>&1 < /dev/null &
+    (cd $G/src && setsid nohup bash dev/gpu_lane.sh phases > /dev/null 2>&1 < /dev/null &)
   fi
   sleep 2; echo "started: ${*:-all three phases}" ;;
 bench)  # a benchmark in the lane's environment, in its own session: bench python -m benchmarks.X ...
@@ -69,7 +78,8 @@ bench)  # a benchmark in the lane's environment, in its own session: bench pytho
   shift
   rm -f $G/*.rc $G/bench.log
   date > $G/started
-  setsid nohup bash -c "( $* ) > $G/bench.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &
+  snapshot
+  (cd $G/src && setsid nohup bash -c "( $* ) > $G/bench.log 2>&1; echo \$? > $G/lane.rc" > /dev/null 2>&1 < /dev/null &)
   sleep 2; echo "started: $*" ;;
 phases)  # what `start` runs in the background: A side by side, then B, then C
   L=tests/test_gpu_lane.py
@@ -149,9 +159,13 @@ fetch)
   for f in $G/*.log $G/phases.txt; do [ -f "$f" ] && [ "$f" != $G/install.log ] && cp "$f" $OUT/; done
   cat $G/*.log | grep -a "GPU-FIGURES" > $OUT/figures.txt 2>/dev/null
   cp $G/speed_*.json $G/b_gpu.csv $G/b_cpu.log $OUT/ 2>/dev/null
-  tar -czf $OUT/logs.tar.gz -C $G --exclude='*.safetensors' --exclude='*.pt' --exclude='*.npy' --exclude='*.arrow' \
-    root/store/evaluate root/store/extract root_r/store/evaluate root_r/store/regenerate/*/metrics.json \
-    root_r/store/train/*/metrics.jsonl root_r/store/train/*/manifest.json 2>/dev/null
+  # The patterns are expanded inside $G (expanded here they matched nothing, and tar wrote an
+  # empty archive); each stage's manifest holds its counts (regenerate's: rows, tokens, failures).
+  (cd $G && tar -czf $OUT/logs.tar.gz --exclude='*.safetensors' --exclude='*.pt' --exclude='*.npy' \
+    --exclude='*.arrow' $(ls -d root/store/evaluate root/store/extract root_r/store/evaluate \
+    root_r/store/regenerate/*/manifest.json root_r/store/prepare/*/manifest.json \
+    root_r/store/train/*/metrics.jsonl root_r/store/train/*/manifest.json 2>/dev/null))
+  tar -tzf $OUT/logs.tar.gz | wc -l | sed 's/$/ files in logs.tar.gz/' 
   ls -l $OUT ;;
 stop)  # (bracketed patterns: a pattern must not match the command line of the call that runs it)
   pkill -f "gpu_lane.sh [p]hases"; pkill -f "pytest -m [g]pu"; pkill -f "[b]enchmarks\."
