@@ -32,9 +32,13 @@ def test_a_published_draft_loads_elsewhere_with_its_card(trained, tmp_path, tiny
     card = (out / "README.md").read_text()
     # The hub's metadata: license and datasets from the settings; no base_model, since this
     # target is a local folder without model.hub_id.
-    front = card.split("---")[1]
-    assert "license: mit" in front and "datasets:\n  - org/tiny-chats" in front
+    import yaml
+
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["license"] == "mit" and front["datasets"] == ["org/tiny-chats"]
     assert "base_model" not in front and "vllm serve TARGET" in card
+    assert "model-index" not in front  # nothing measured: no results to show
+    assert "None" not in card  # every fact known, or said to be unknown
     # No path of this machine in the card (it used to name /tmp folders).
     assert str(tmp_path) not in card and str(trained) not in card
     assert "| draft attention | layer 0: sliding window of 2048 tokens |" in card
@@ -309,6 +313,21 @@ def test_the_card_gives_the_acceptance_with_its_interval_and_where_it_was_measur
             {"stage": "train", "validation_loss": 2.5}]  # fmt: skip
     card = model_card(run, {"speculators_version": "0.9.0"}, "me/d", results=rows)
     assert "| mtbench (80 prompts) | 3 | 2.100 (2.000-2.200) | 0.600 / 0.300 / 0.200 |" in card
+    # The hub's own reading of the header: a model-index with the acceptance per set.
+    from huggingface_hub import ModelCard
+
+    (result,) = ModelCard(card).data.eval_results
+    assert (result.dataset_name, result.metric_type, result.metric_value) == (
+        "mtbench",
+        "acceptance_length",
+        2.1,
+    )
+    # A draft trained elsewhere (eval.draft): this run's training settings are not the draft's.
+    params["eval.draft"] = "/drafts/theirs"
+    params["train.optimizer"] = "muon"
+    elsewhere = model_card(run, {"speculators_version": "0.9.0"}, "me/d", results=rows)
+    assert "| training | trained elsewhere: not known to this run" in elsewhere
+    assert "muon" not in elsewhere and "None" not in elsewhere
     assert "random draft" not in card  # no column of dashes where none was measured
     assert "Measured on 8x RTX PRO 6000" in card and "validation loss 2.500" in card
     assert "speculators 0.9.0" in card and "## Limitations" in card

@@ -224,6 +224,51 @@ def draft_attention(draft_config: dict[str, Any]) -> str:
     return ", ".join(f"layer {i}: {words.get(t, t)}" for i, t in enumerate(types))
 
 
+def known(value: Any, unknown: str = "unknown") -> Any:
+    """A card's fact, or `unknown` where the run or the draft does not record it (an MLflow
+    param of a null setting reads "None")."""
+    return unknown if value in (None, "None", "", "null") else value
+
+
+def card_metadata(
+    hub: str | None,
+    lic: str | None,
+    datasets: list[str],
+    repo: str,
+    model_name: str | None,
+    measured: list[dict[str, Any]],
+    k: int,
+) -> str:
+    """The card's YAML header, written by huggingface_hub's own ModelCardData: base model,
+    license, datasets, tags, and a `model-index` with the acceptance length per prompt set (an
+    EvalResult each), which the hub renders as the model's results."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    results = [
+        EvalResult(
+            task_type="text-generation",
+            task_name="speculative decoding (EAGLE-3, greedy, served by vLLM)",
+            dataset_type=str(r.get("set")),
+            dataset_name=str(r.get("set")),
+            metric_type="acceptance_length",
+            metric_name=f"acceptance length (k={r.get('k', k)}, {int(r.get('prompts') or 0)} "
+            "prompts)",
+            metric_value=round(float(r["acceptance_length"]), 3),
+        )
+        for r in measured
+    ]
+    data = ModelCardData(
+        base_model=hub or None,
+        license=lic or None,
+        datasets=datasets or None,
+        library_name="speculators",
+        tags=["speculative-decoding", "eagle3", "speculators", "vllm"],
+        model_name=f"EAGLE-3 draft for {hub or model_name}" if results else None,
+        eval_results=results or None,
+    )
+    return data.to_yaml()
+
+
 def model_card(
     run: Any,
     draft_config: dict[str, Any],
@@ -280,34 +325,41 @@ def model_card(
     context = measured_on(run, draft_config, found)
     lic = license_ or card_license(p, draft_config)
     datasets = card_datasets(p)
-    front_yaml = "\n".join(
-        [
-            *([f"base_model: {json.dumps(hub)}"] if hub else []),
-            *([f"license: {lic}"] if lic else []),
-            *(["datasets:", *(f"  - {d}" for d in datasets)] if datasets else []),
-            "library_name: speculators",
-            "tags:",
-            *(f"  - {t}" for t in ("speculative-decoding", "eagle3", "speculators", "vllm")),
-        ]
+    front_yaml = card_metadata(hub, lic, datasets, repo, p.get("model.name"), measured, k)
+    aux = known(draft_config.get("eagle_aux_hidden_state_layer_ids"))
+    vocab = (
+        f"{known(draft_config.get('draft_vocab_size'))} of {known(p.get('resolved.vocab_size'))}"
     )
-    aux = draft_config.get("eagle_aux_hidden_state_layer_ids")
-    vocab = f"{draft_config.get('draft_vocab_size')} of {p.get('resolved.vocab_size')}"
-    kept = next((r["rows"] for r in found if "rows" in r), 0)
-    rows = f"{int(kept or 0)} rows of up to {p.get('data.max_seq_len')} tokens"
-    data = datasets[0] if datasets else p.get("data.name")
+    # A draft evaluated here but trained elsewhere (eval.draft): this run's training settings
+    # are not the draft's, and its card must not say they are.
+    elsewhere = known(p.get("eval.draft"), "") != ""
+    kept = next((r["rows"] for r in found if "rows" in r), None)
+    rows = f"{int(kept)} rows of up to {p.get('data.max_seq_len')} tokens" if kept else ""
+    data = datasets[0] if datasets else known(p.get("data.name"))
     recipe = (
         f"{p.get('train.epochs')} epoch(s), lr {p.get('train.lr')}, "
         f"{p.get('train.optimizer')}, {p.get('train.ttt_steps')} TTT steps"
+    )
+    if elsewhere:
+        data_line = "trained elsewhere: not known to this run"
+        recipe = "trained elsewhere: not known to this run (see train_command.txt, if shipped)"
+    else:
+        data_line = f"{data} ({known(p.get('data.name'))})" + (f", {rows}" if rows else "")
+    layers = ours.get("target_num_layers")
+    capture = (
+        f"{ours['capture_ids']}: {ours.get('layer_id_convention')}"
+        if ours.get("capture_ids")
+        else "unknown (the draft's config does not record them)"
     )
     table = "\n".join(
         [
             "| | |",
             "|---|---|",
-            f"| target | {target} ({ours.get('target_num_layers')} decoder layers) |",
-            f"| capture ids | {ours.get('capture_ids')}: {ours.get('layer_id_convention')} |",
+            f"| target | {target}" + (f" ({layers} decoder layers)" if layers else "") + " |",
+            f"| capture ids | {capture} |",
             f"| aux layer ids (`eagle_aux_hidden_state_layer_ids`) | {aux} |",
             f"| draft vocabulary | {vocab} target tokens |",
-            f"| data | {data} ({p.get('data.name')}), {rows} |",
+            f"| data | {data_line} |",
             f"| training | {recipe} |",
             f"| draft attention | {draft_attention(draft_config)} |",
             f"| license | {lic or 'not known: set model.license or pass --license'} |",
