@@ -46,3 +46,53 @@ def test_everything_else_is_mlflows_own(client):
 def test_a_root_without_runs_is_refused_with_the_option_to_change(tmp_path, capsys):
     assert ui.main(["--output-root", str(tmp_path)]) == 2
     assert "--output-root" in capsys.readouterr().err
+
+
+def test_the_address_is_printed_when_the_server_answers_and_sigterm_ends_it_all(tmp_path):
+    """The UI's address comes once MLflow's server answers (it took a minute or more to start,
+    after the address was printed); SIGTERM to the command ends the server and its workers and
+    frees the port."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import mlflow
+
+    from runner.serving.vllm_server import free_port
+    from tests.conftest import REPO
+
+    mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").create_experiment("eagle3")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", "ui", "--output-root", str(tmp_path), "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("MLflow UI at"):
+                break
+        else:
+            raise AssertionError("the address was never printed")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            assert r.status == 200  # answering by the time the address is read
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        t0 = time.time()
+        while time.time() - t0 < 15:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            except OSError:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("MLflow's server outlived the command")
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)

@@ -14,10 +14,17 @@ a view yet. A user's own choice stays theirs; nothing else of MLflow changes.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
+
+from runner.core.interrupts import handling
 
 # The name of the entry point in pyproject.toml's [project.entry-points."mlflow.app"].
 APP_NAME = "eagle3-runner"
@@ -64,7 +71,7 @@ def server_command(uri: str, artifacts: Path | None, host: str, port: int) -> li
 
 def main(argv: list[str] | None = None) -> int:
     from runner.core.layout import RunLayout, default_root
-    from runner.tracking.runs import tracking_uri
+    from runner.tracking.runs import store_to_read
 
     ap = argparse.ArgumentParser(
         prog="eagle3-runner ui",
@@ -89,13 +96,75 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    uri = tracking_uri(args.tracking_uri, layout.root)
+    # A root copied or moved here is pointed at itself first, as report and publish do: its
+    # runs' artifacts are then this root's files, shown with the original gone.
+    uri, problem = store_to_read(args.tracking_uri, layout.root)
+    if problem is not None:
+        print(f"ui: {uri}: {problem}", file=sys.stderr)
+        return 2
     cmd = server_command(uri, layout.mlflow_artifacts, args.host, args.port)
-    print(f"MLflow UI at http://{args.host}:{args.port} (Ctrl-C stops it): {uri}", flush=True)
+    url = f"http://{args.host}:{args.port}"
+    print(f"starting MLflow's server on {uri} ...", flush=True)
+    # Its own process group (it starts workers), ended with this command however it ends:
+    # Ctrl-C, SIGTERM or a closed terminal here, and the kernel's SIGTERM if this is killed.
+    server = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_end_with_us)
+    stop = _stopper(server)
     try:
-        return subprocess.call(cmd)
+
+        def ended(signum: int, _frame: Any) -> None:
+            # The server is stopped in `finally`, once the wait this interrupts has let go of
+            # the process (a second wait from a handler would block on the first's lock).
+            raise SystemExit(128 + signum)
+
+        with handling((signal.SIGTERM, signal.SIGHUP), ended):
+            t0 = time.time()
+            if _answers(url, server):
+                print(
+                    f"MLflow UI at {url} (ready in {time.time() - t0:.0f} s; Ctrl-C stops it)",
+                    flush=True,
+                )
+            return server.wait() if server.poll() is None else server.returncode
     except KeyboardInterrupt:
         return 0
+    finally:
+        stop()
+
+
+def _end_with_us() -> None:
+    from runner.core.interrupts import die_with_parent
+
+    die_with_parent(signal.SIGTERM)
+
+
+def _stopper(server: subprocess.Popen) -> Any:
+    def stop() -> None:
+        if server.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+    return stop
+
+
+def _answers(url: str, server: subprocess.Popen, timeout_s: float = 300.0) -> bool:
+    """Waits until the server answers its health check (what a browser would meet: the page
+    then loads), or it exits; the URL is printed only then."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and server.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
 
 
 if __name__ == "__main__":
