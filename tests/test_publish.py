@@ -388,3 +388,42 @@ def test_a_stage_artifact_moves_to_another_root_and_is_reused_there(
     )
     assert again.stages == {"prepare": "cached"}
     assert transfer(["import", str(out), str(other)]) == 1  # already there: said, not replaced
+
+
+def test_a_copied_root_on_read_only_media_reports_and_publishes(trained, tmp_path):
+    """A root copied to read-only media (its store cannot be re-pointed), with the original
+    gone: report and publish read it as it is, looking for the runs' files under the copy, with
+    no traceback. Needs a read-only bind mount (root); skipped elsewhere."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    copy, ro = tmp_path / "copy", tmp_path / "ro"
+    shutil.copytree(trained, copy, symlinks=True)
+    ro.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(copy), str(ro)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot bind-mount here (needs root)")
+    try:
+        if subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)]).returncode != 0:
+            pytest.skip("cannot remount read-only here")
+        hidden = trained.with_name(trained.name + "-away")
+        trained.rename(hidden)  # the original is gone
+        try:
+            for cmd in (
+                ["report", "--output-root", str(ro)],
+                ["publish", str(tmp_path / "pub"), "--output-root", str(ro)],
+            ):
+                got = subprocess.run(
+                    [sys.executable, "-m", "runner", *cmd],
+                    cwd=REPO, capture_output=True, text=True, timeout=300,
+                )  # fmt: skip
+                said = got.stdout + got.stderr
+                assert "Traceback" not in said, said[-3000:]
+            assert got.returncode == 0, said[-3000:]
+            assert (tmp_path / "pub" / "model.safetensors").is_file()
+        finally:
+            hidden.rename(trained)
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)

@@ -37,7 +37,7 @@ from runner.core.schema import VllmLaunchConfig
 from runner.core.store import new_folder
 from runner.serving.settings import draft_fields, target_flags
 from runner.tracking.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, RESULTS_FILE
-from runner.tracking.runs import store_to_read
+from runner.tracking.runs import here, store_to_read
 
 
 def _find_run(client: Any, experiment: str, run_id: str | None) -> Any:
@@ -516,6 +516,7 @@ def publish(
     license_: str | None = None,
     allow_smoke_test: bool = False,
     allow_gate_warnings: bool = False,
+    root: Path | None = None,
 ) -> tuple[Path, str | None]:
     """The draft as a hub folder with its card; returns it and the command that serves it on
     this machine (also written to serve_local.sh beside the card), if the run evaluated it. A
@@ -537,7 +538,7 @@ def publish(
             "publish it anyway (the card says so)"
         )
 
-    draft = draft_folder(run)
+    draft = draft_folder(run) if root is None else here(draft_folder(run), root)
     if not (draft / "config.json").is_file():
         raise FileNotFoundError(f"no draft in {draft} (run {run.info.run_id})")
     reason = packed_reason(draft)
@@ -629,6 +630,7 @@ def _main(args: argparse.Namespace) -> int:
             args.license,
             allow_smoke_test=args.allow_smoke_test,
             allow_gate_warnings=args.allow_gate_warnings,
+            root=root,
         )
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"publish: {exc}", file=sys.stderr)

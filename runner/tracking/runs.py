@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import socket
+import sqlite3
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -267,7 +268,16 @@ def follow_moved_root(uri: str, output_root: Path) -> Path | None:
     db = RunLayout(output_root).mlflow_db.resolve()
     if uri != f"sqlite:///{db}" or not db.is_file():
         return None
-    old = repoint(db, output_root)
+    try:
+        old = repoint(db, output_root)
+    except sqlite3.OperationalError as exc:  # read-only media: read it as it is
+        log.warning(
+            "this output root's MLflow store could not be pointed at %s (%s): its runs still "
+            "name the root they were made in, and files are looked for under this one",
+            output_root,
+            exc,
+        )
+        return None
     if old is not None:
         log.warning(
             "this output root's MLflow store was made in %s (the root was copied or moved); "
@@ -571,3 +581,13 @@ def registry_name_problem(name: str) -> str | None:
     except Exception as exc:
         return str(getattr(exc, "message", exc)).splitlines()[0]
     return None
+
+
+def here(path: Path, output_root: Path) -> Path:
+    """A path a run recorded (a stage's artifact, <root>/store/...) as it lies in this root: the
+    recorded one where it exists, else the same place under `output_root` (a copy of the root
+    whose store could not be rewritten, e.g. on read-only media)."""
+    if path.exists() or "store" not in path.parts:
+        return path
+    moved = output_root.joinpath(*path.parts[path.parts.index("store") :])
+    return moved if moved.exists() else path
