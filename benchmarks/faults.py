@@ -54,6 +54,13 @@ def _left(root: Path) -> str:
     return ", ".join(found) or "none"
 
 
+def _publish(out: Path, root: Path) -> subprocess.CompletedProcess:
+    """`python -m runner.commands.publish OUT --output-root ROOT`, as a user runs it."""
+    return run_runner(
+        [sys.executable, "-m", "runner.commands.publish", str(out), "--output-root", str(root)]
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
@@ -309,9 +316,7 @@ def main() -> int:
     assert run_runner(_cmd(model, data, full)).returncode == 0
     shutil.move(str(full), str(moved))
     out = base / "published"
-    got = run_runner(
-        [sys.executable, "-m", "runner.commands.publish", str(out), "--output-root", str(moved)]
-    )
+    got = _publish(out, moved)
     row(
         "output root moved, then publish",
         "publish",
@@ -360,9 +365,7 @@ def main() -> int:
     secret.write_text("this machine's own\n")
     (train / "draft" / "notes.txt").symlink_to(secret)
     out = base / "published-link"
-    got = run_runner(
-        [sys.executable, "-m", "runner.commands.publish", str(out), "--output-root", str(root)]
-    )
+    got = _publish(out, root)
     row(
         "draft file linked to a host file",
         "publish",
