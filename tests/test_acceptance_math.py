@@ -330,6 +330,28 @@ def test_the_sweep_figure_does_not_zoom_a_small_difference_into_a_cliff():
     assert low == 0.0 and 1.12 < high < 1.3
 
 
+def test_the_sweep_figure_shows_each_jobs_interval_and_the_line_of_nothing_accepted():
+    import matplotlib.pyplot as plt
+
+    from runner.tracking.sweep import comparison_figure
+
+    rows = [
+        {"k": k, "acceptance_length": v, "acceptance_length_lo": lo, "acceptance_length_hi": hi}
+        for k, v, lo, hi in ((3, 1.40, 1.31, 1.52), (5, 1.45, 1.30, 1.61))
+    ]
+    fig = comparison_figure(rows, "acceptance_length", ("k", "eval.num_speculative_tokens", None))
+    ax = fig.axes[0]
+    bars = [c for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
+    (segments,) = [c.get_segments() for c in ax.collections]
+    labels = ax.get_legend_handles_labels()[1]
+    _, high = ax.get_ylim()
+    plt.close(fig)
+    assert len(bars) == 1 and any("(95% interval)" in label for label in labels)
+    # One bar per job, from its low end to its high end.
+    assert sorted((s[0][1], s[1][1]) for s in segments) == [(1.30, 1.61), (1.31, 1.52)]
+    assert any(label.startswith("1.0") for label in labels) and high > 1.61
+
+
 # The field's gains on 8x RTX PRO 6000 with Kimi and a public draft at k=3 (draft-served and
 # target-alone aggregate tokens/s by closed-loop streams; vLLM #40608).
 FIELD = {1: (114.1, 88.5), 16: (659.0, 475.0), 64: (1522.0, 1330.0), 128: (1992.0, 2026.0)}

@@ -610,7 +610,8 @@ def comparison_figure(
     rows: list[dict[str, Any]], metric: str, axis: tuple[str, str, str | None]
 ) -> Any:
     """`metric` against the swept value `axis` = (key, label, series key), one line per series,
-    on a y axis from zero."""
+    on a y axis from zero, each point with its interval (`<metric>_lo` / `_hi`, where the rows
+    have them) and, for the acceptance length, the 1.0 line of a draft never accepted."""
     import matplotlib  # a second to import; only the end of a sweep plots
 
     matplotlib.use("Agg")
@@ -623,21 +624,36 @@ def comparison_figure(
         groups.setdefault(str(r.get(series_key, "all")) if series_key else "all", []).append(r)
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, rs in groups.items():
-        pts = [(xs.index(r[x_key]), r[metric]) for r in rs if r.get(metric) is not None]
-        if pts:
-            pts.sort()
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                marker="o",
-                label=f"{series_key} {name}" if series_key else name,
-            )
+        pts = sorted(
+            (xs.index(r[x_key]), r[metric], r.get(f"{metric}_lo"), r.get(f"{metric}_hi"))
+            for r in rs
+            if r.get(metric) is not None
+        )
+        if not pts:
+            continue
+        label = f"{series_key} {name}" if series_key else name
+        x, y = [p[0] for p in pts], [p[1] for p in pts]
+        if all(p[2] is not None and p[3] is not None for p in pts):
+            # The interval of each job's figure (its prompts resampled): two jobs whose bars
+            # overlap are not told apart by this sweep.
+            err = [[v - p[2] for v, p in zip(y, pts)], [p[3] - v for v, p in zip(y, pts)]]
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=4, label=label + " (95% interval)")
+        else:
+            ax.plot(x, y, marker="o", label=label)
+    if metric.startswith("acceptance_length"):
+        # 1.0: the target alone (a draft that is never accepted).
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="1.0: nothing accepted")
     ax.set_xticks(range(len(xs)))
     ax.set_xticklabels(xs, rotation=15, fontsize=8)
     ax.set_xlabel(x_label)
     ax.set_ylabel(metric.replace("_", " "))
     # From zero: a zoomed axis made a 0.01 difference on 10 prompts look like a cliff.
-    values = [r[metric] for r in rows if r.get(metric) is not None]
+    values = [
+        v
+        for r in rows
+        for v in (r.get(metric), r.get(f"{metric}_hi"))
+        if v is not None and r.get(metric) is not None
+    ]
     if values:
         ax.set_ylim(min(0.0, min(values)), max(0.0, max(values)) * 1.08 or 1.0)
     ax.grid(alpha=0.3)
