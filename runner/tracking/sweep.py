@@ -636,7 +636,7 @@ def comparison_figure(
         if all(p[2] is not None and p[3] is not None for p in pts):
             # The interval of each job's figure (its prompts resampled): two jobs whose bars
             # overlap are not told apart by this sweep.
-            err = [[v - p[2] for v, p in zip(y, pts)], [p[3] - v for v, p in zip(y, pts)]]
+            err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
             ax.errorbar(x, y, yerr=err, marker="o", capsize=4, label=label + " (95% interval)")
         else:
             ax.plot(x, y, marker="o", label=label)
