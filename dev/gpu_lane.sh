@@ -17,6 +17,8 @@
 #   bash dev/gpu_lane.sh bench CMD...    a benchmark (e.g. python -m benchmarks.vllm_extract_bench)
 #   bash dev/gpu_lane.sh wait SECONDS    until it ends or SECONDS pass; its latest lines
 #   bash dev/gpu_lane.sh fetch           its logs and figures to $OUT
+#   bash dev/gpu_lane.sh ship ROOT STAGE  a stage's artifact (transfer export) to $OUT in pieces
+#   bash dev/gpu_lane.sh land DIR ROOT   such pieces, carried in DIR, into ROOT (transfer import)
 #   bash dev/gpu_lane.sh stop            end the lane and every process it started
 # The phases, to fit 30 minutes of one GPU: (A) the parts that measure no speed, side by side,
 # each vLLM server with 15% of the GPU's memory (EAGLE3_GPU_LANE_OVERRIDES), extraction's
@@ -167,6 +169,14 @@ fetch)
     root_r/store/train/*/metrics.jsonl root_r/store/train/*/manifest.json 2>/dev/null))
   tar -tzf $OUT/logs.tar.gz | wc -l | sed 's/$/ files in logs.tar.gz/' 
   ls -l $OUT ;;
+ship)  # ship ROOT STAGE: a stage's newest artifact of ROOT (transfer export, checked by its
+  # manifest) to $OUT as gzip pieces of <= 15 MiB (at most 8 files of 16 MiB come back a call)
+  rm -rf $G/ship && (cd $G/src 2>/dev/null || cd .; $PY -m runner transfer export "$3" $G/ship --output-root "$2") || exit 1
+  (cd $G && tar -cf - ship | gzip -6 | split -b 15M -d - $OUT/ship.tar.gz.)
+  (cd $OUT && sha256sum ship.tar.gz.* > ship.sha256); ls -l $OUT ;;
+land)  # land DIR ROOT: pieces of `ship` carried in DIR (ignored, named in carry) into ROOT's store
+  (cd "$2" && sha256sum -c ship.sha256) || exit 1
+  rm -rf $G/ship && cat "$2"/ship.tar.gz.* | gzip -dc | tar -xf - -C $G && $PY -m runner transfer import $G/ship "$3" ;;
 stop)  # (bracketed patterns: a pattern must not match the command line of the call that runs it)
   pkill -f "gpu_lane.sh [p]hases"; pkill -f "pytest -m [g]pu"; pkill -f "[b]enchmarks\."
   pkill -f "[v]llm.entrypoints"; sleep 3; pkill -9 -f "[v]llm.entrypoints"; echo stopped ;;
