@@ -443,11 +443,15 @@ def test_a_signal_as_the_last_stage_ends_never_leaves_the_run_running(
 
 def test_an_interrupted_sweep_ends_its_parent_killed(tiny_model_dir, chats_jsonl, tmp_path):
     """SIGTERM in a sweep's second job: the job's run and the sweep's parent both end KILLED
-    (the parent used to stay RUNNING until a later run reconciled it)."""
+    (the parent used to stay RUNNING until a later run reconciled it), and the line says how to
+    continue the sweep."""
     base = _cmd(tiny_model_dir, chats_jsonl, tmp_path)
     cmd = [*base[:3], "-m", *base[3:], "train.lr=1e-3,2e-3"]  # python -m runner -m ...
     got, out = run_until(cmd, "#1 :", signal.SIGTERM)
     assert got == 143, out[-3000:]
+    # The hint continues the sweep (its finished job reused), not the stopped job alone.
+    (hint,) = [line for line in out.splitlines() if line.startswith("interrupted by SIGTERM")]
+    assert " -m " in hint and "train.lr=1e-3,2e-3" in hint, hint
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

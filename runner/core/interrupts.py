@@ -185,3 +185,17 @@ def end_with_parent() -> None:
     """A `preexec_fn` for a short-lived helper child (a plan's probe): SIGKILL when the process
     that started it dies, so that a plan killed outright leaves no probe running for minutes."""
     die_with_parent(signal.SIGKILL)
+
+
+def command_as_typed(args: list[str] | None = None) -> str:
+    """This process's command line as the user typed it (the installed command or the module),
+    with `args` (default: its own arguments): what a "run the same command" line prints."""
+    import shlex
+    from pathlib import Path
+
+    typed = (
+        ["eagle3-runner"]
+        if Path(sys.argv[0]).name == "eagle3-runner"
+        else ["python", "-m", "runner"]
+    )
+    return shlex.join([*typed, *(sys.argv[1:] if args is None else args)])

@@ -33,7 +33,13 @@ from runner import SOURCE_ROOT
 from runner.assets.sources import resolve_model
 from runner.assets.target_facts import Target, resolve_target
 from runner.core.errors import ConfigError, StageError
-from runner.core.interrupts import Interrupted, as_interrupted, held_back, stop_on_signals
+from runner.core.interrupts import (
+    Interrupted,
+    as_interrupted,
+    command_as_typed,
+    held_back,
+    stop_on_signals,
+)
 from runner.core.layout import RunLayout
 from runner.core.schema import RunnerConfig, schema_for, typed
 from runner.core.store import ArtifactStore, writable_root
@@ -308,16 +314,17 @@ def _follow(cfg: RunnerConfig, planned: list[Any], store: ArtifactStore) -> None
 
 
 def rerun_command() -> str:
-    """The command line that runs this job again (its Hydra overrides)."""
+    """The command line that runs this job again (its Hydra overrides; in a sweep, the sweep's
+    command line)."""
     if not HydraConfig.initialized():
         return "the same command (run_job with the same config)"
-    # As the user typed it: the installed command, or the module.
-    typed = (
-        ["eagle3-runner"]
-        if Path(sys.argv[0]).name == "eagle3-runner"
-        else ["python", "-m", "runner"]
-    )
-    return shlex.join([*typed, *HydraConfig.get().overrides.task])
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        # A sweep continues as a sweep: its whole command line, whose finished jobs are reused
+        # from the store (one job's overrides would run that job alone, outside the sweep).
+        return command_as_typed()
+    return command_as_typed(list(HydraConfig.get().overrides.task))
 
 
 # Runs of this process whose stages started: a process whose run was refused before any stage

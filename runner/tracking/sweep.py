@@ -38,7 +38,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from runner.core.errors import ConfigError
-from runner.core.interrupts import between_jobs, held_back
+from runner.core.interrupts import between_jobs, command_as_typed, held_back
 from runner.core.store import writable_root
 from runner.serving import shared_servers
 from runner.tracking.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, PLOTTED_TAG, SERIES_TAG
@@ -241,7 +241,8 @@ class SweepCallback(Callback):
 
         def stop(signum: int, _frame: Any) -> None:  # a signal between two jobs
             print(
-                f"\ninterrupted by {signal.Signals(signum).name} between the sweep's jobs",
+                f"\ninterrupted by {signal.Signals(signum).name} between the sweep's jobs; the "
+                f"finished jobs are kept: run the same command to continue: {command_as_typed()}",
                 file=sys.stderr,
             )
             with held_back():
