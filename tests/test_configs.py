@@ -204,9 +204,11 @@ def test_a_gpu_box_selects_the_gpu_recipe_unless_told_otherwise():
     assert compose(["hardware=blackwell8"]).train.name == "eagle3-gpu"
     assert compose(["hardware=blackwell8", "train=eagle3_small"]).train.name == "eagle3-small"
     assert compose([]).train.name == "eagle3-small"
+    from stages.train.settings import train_ranks
+
     cfg = check_declared(compose(["hardware=blackwell8"]))
-    assert cfg.train_ranks() == 8 and not cfg.train.fsdp  # every GPU of the box, DDP
-    assert check_declared(compose(["hardware=blackwell8", "train.num_gpus=4"])).train_ranks() == 4
+    assert train_ranks(cfg) == 8 and not cfg.train.fsdp  # every GPU of the box, DDP
+    assert train_ranks(check_declared(compose(["hardware=blackwell8", "train.num_gpus=4"]))) == 4
 
 
 def test_loader_variables_pass_when_allowed_and_tuned_nccl_values_pass():

@@ -31,7 +31,12 @@ def keys(found) -> list[tuple[str, str]]:
 
 def check(i: EndpointInfo, need: str, **kw):
     args = dict(
-        tokens=TOKENS, min_model_len=4097, len_key="data.max_seq_len", dtype="bfloat16", k=None
+        tokens=TOKENS,
+        min_model_len=4097,
+        len_key="data.max_seq_len",
+        dtype="bfloat16",
+        k=None,
+        k_key="eval.num_speculative_tokens",  # the key the draft's stage names (ServerNeed)
     )
     return problems(i, need, **{**args, **kw})
 

@@ -394,9 +394,10 @@ def test_online_on_one_gpu_is_refused_unless_the_gpu_is_shared(tmp_path):
 
     from runner.core.schema import typed
     from stages.train.online import serving_gpus, sharing_args
+    from stages.train.settings import train_ranks
 
     cfg = typed(compose([*one, "extract.share_gpu=0.3"]))
-    assert cfg.train_ranks() == 1 and serving_gpus(cfg) == ["0"]
+    assert train_ranks(cfg) == 1 and serving_gpus(cfg) == ["0"]
     args = sharing_args(cfg, ["--gpu-memory-utilization", "0.85", "--seed", "0"])
     assert args == ["--gpu-memory-utilization", "0.3", "--seed", "0"]
     with pytest.raises(ConfigError) as info:
@@ -410,6 +411,7 @@ def test_the_extraction_servers_step_size_is_a_setting_that_holds_a_row(tmp_path
     CPU."""
     from runner.core.schema import typed
     from runner.serving.hidden_states import server_args
+    from stages.extract.settings import concurrency
 
     def cfg(*over):
         return typed(compose(["extract=vllm", f"run.output_root={tmp_path}", *over]))
@@ -426,8 +428,8 @@ def test_the_extraction_servers_step_size_is_a_setting_that_holds_a_row(tmp_path
     gpu = server_args(cfg("hardware=gpu1"), Facts(), tmp_path)
     assert gpu[gpu.index("--max-num-batched-tokens") + 1] == "16384"
     # Requests in flight to fill such steps: 64 on a GPU unless set; 8 on a CPU.
-    assert cfg("hardware=gpu1").extract_concurrency() == 64 and cfg().extract_concurrency() == 8
-    assert cfg("hardware=gpu1", "extract.concurrency=16").extract_concurrency() == 16
+    assert concurrency(cfg("hardware=gpu1")) == 64 and concurrency(cfg()) == 8
+    assert concurrency(cfg("hardware=gpu1", "extract.concurrency=16")) == 16
 
 
 def test_data_parallel_extraction_gives_each_server_its_own_gpus(tmp_path, monkeypatch):

@@ -16,10 +16,11 @@ import mlflow
 import pytest
 
 from runner.core.errors import ConfigError
-from runner.core.schema import EXTRACT_BACKENDS, register
+from runner.core.schema import register
 from runner.engine.stage import Stage, StageContext, check_registry
 from runner.tracking.sweep import PARENT_ENV, comparison_rows
 from stages import REGISTRY
+from stages.extract.settings import EXTRACT_BACKENDS
 from tests.conftest import REPO, compose, run_job, tiny_overrides
 
 # The engine: the modules that run any stage and must never name one, by room (runner/engine,

@@ -8,7 +8,8 @@
     eagle3-runner ls train.lr hardware=gpu1   ... with overrides applied, as a run would get it
 
 Reads the config folders the runner composes from (a source checkout's conf/ and sweeps/, else
-the copies a wheel installs) and the typed schema (runner/core/schema.py); loads no model.
+the copies a wheel installs) and the typed schema (runner/core/schema.py and each stage's
+settings); loads no model.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def describe_key(key: str, overrides: list[str]) -> str:
     value = OmegaConf.select(cfg, key, default="<unset>")
     if OmegaConf.is_config(value):
         value = "\n" + textwrap.indent(OmegaConf.to_yaml(value).strip(), " " * 11)
-    origin = _set_in(parts, cfg)
+    origin = _set_in(parts, cfg, owner)
     lines = [
         key,
         f"  type:    {_type_name(kind)}",
@@ -209,7 +210,7 @@ def describe_key(key: str, overrides: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _set_in(parts: list[str], cfg: Any) -> str:
+def _set_in(parts: list[str], cfg: Any, owner: Any = None) -> str:
     """The group file (as selected) whose YAML sets the key, else the schema's default."""
     import yaml
 
@@ -229,7 +230,8 @@ def _set_in(parts: list[str], cfg: Any) -> str:
             node = node.get(p, KeyError) if isinstance(node, dict) else KeyError
         if node is not KeyError:
             return f"{f.relative_to(conf.parent)}"
-    return "the schema's default (runner/core/schema.py)"
+    module = getattr(owner, "__module__", "runner.core.schema")
+    return f"the schema's default ({module.replace('.', '/')}.py)"
 
 
 def compose(overrides: list[str]) -> Any:

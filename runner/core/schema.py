@@ -6,8 +6,11 @@ types at composition time with the offending key in the message
 (e.g. "Key 'foo' not in 'TrainConfig' ... full_key: train.foo"). `typed(cfg)` then converts the
 composed config once into these dataclasses; stages and checks receive them, never raw nodes.
 
-Each section's `check()` holds the checks of its own fields, beside them; `RunnerConfig.check()`
-adds the few that span sections. Checks that need the target's facts (layer counts, vocab size,
+Here are the run-wide sections (model, hardware, data, tracking, run); each stage's own section
+(extract, train, vocab, eval, regenerate) is in its package (stages/<stage>/settings.py) and joins
+the schema through the registry (`schema_for`). Each section's `check()` holds the checks of its
+own fields, beside them; a section's `check_across(cfg)` holds its rules against other
+sections. Checks that need the target's facts (layer counts, vocab size,
 heads) live in `runner.engine.checks`, which runs them once those facts are read from config files.
 
 Layer ids everywhere in configs use the vLLM / speculators convention: id k is the residual
@@ -21,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import logging
 import math
 import os
 import shutil
@@ -69,21 +71,6 @@ class Interconnect(StrEnum):
     none = "none"
 
 
-class ExtractBackend(StrEnum):
-    # In-process transformers forward with hooks (small and medium targets).
-    transformers = "transformers"
-    # A vLLM server the runner starts (targets only an engine can hold).
-    vllm = "vllm"
-
-
-class ExtractMode(StrEnum):
-    # Hidden states are extracted once, stored (extract.storage) and read by every epoch.
-    offline = "offline"
-    # Nothing is stored: training fetches each sample's states from a live vLLM server
-    # (speculators' --vllm-endpoint), every epoch again.
-    online = "online"
-
-
 class Verify(StrEnum):
     # Sizes, and a hash of every file modified since it was published.
     cheap = "cheap"
@@ -98,14 +85,6 @@ class OnDamaged(StrEnum):
     stop = "stop"
 
 
-class Storage(StrEnum):
-    # The target's dtype as it computes (hardware.dtype, bfloat16 by default): 2 bytes a value.
-    bf16 = "bf16"
-    # float8_e4m3fn with one fp32 scale per token (hs-connectors' format, which speculators'
-    # fp8 backend reads): about half the bytes.
-    fp8 = "fp8"
-
-
 class OnBadRow(StrEnum):
     fail = "fail"
     skip = "skip"
@@ -118,32 +97,6 @@ class Multimodal(StrEnum):
     drop_media = "drop_media"
 
 
-# speculators' own choices (speculators/train/config/schema.py, 0.9): checked again against the
-# installed speculators in the plan (stages/train/).
-class Optimizer(StrEnum):
-    adamw = "adamw"
-    muon = "muon"
-
-
-class Scheduler(StrEnum):
-    linear = "linear"
-    cosine = "cosine"
-    none = "none"
-
-
-class LossImplementation(StrEnum):
-    eager = "eager"
-    fused = "fused"
-
-
-class DraftAttention(StrEnum):
-    sdpa = "sdpa"
-    eager = "eager"
-    simple_flex_attention = "simple_flex_attention"
-
-
-# Extraction backends (stages/extract/).
-EXTRACT_BACKENDS = tuple(b.value for b in ExtractBackend)
 # `run.stages` / `run.force` value that means every registered stage.
 ALL_STAGES = "all"
 
@@ -627,165 +580,6 @@ def _check_sources(d: DataConfig) -> None:
         )
 
 
-@dataclass
-class ExtractConfig:
-    # transformers: in-process Hugging Face forward with hooks (small and medium targets).
-    # vllm: a vLLM server the runner starts (extract_hidden_states method + hidden-states
-    # connector), one request per row (targets only an engine can hold).
-    backend: ExtractBackend = ExtractBackend.transformers
-    # How hidden states are stored: bf16 (the target's dtype) or fp8 (per-token scaled e4m3,
-    # read by speculators' fp8 backend with no conversion step). Statistics come from the
-    # full-precision values either way.
-    storage: Storage = Storage.bf16
-    # offline: extract once, store, train from the files. online: store nothing; training fetches
-    # each sample from a vLLM server (started by the train stage, or hardware.vllm.endpoint),
-    # every epoch again. Online needs backend vllm.
-    mode: ExtractMode = ExtractMode.offline
-    # vLLM backend: requests in flight, seconds per request, and retries per sample before the
-    # stage fails naming it. Requests in flight, null: 64 on a GPU (a step of 16,384 tokens holds
-    # about 35 rows of 470 tokens; fewer in flight leave steps part-empty), 8 on a CPU.
-    concurrency: int | None = None
-    # Tokens the extraction server runs in one step (vLLM --max-num-batched-tokens; chunked
-    # prefill is off, so a row is never split, and a step holds at least one). null: 16,384 on a
-    # GPU, vLLM's own default on a CPU.
-    batch_tokens: int | None = None
-    request_timeout_s: int = 600
-    max_retries: int = 3
-    # Online on a box with no GPU left over for training (e.g. one GPU): the fraction of each
-    # serving GPU's memory the train stage's server may take, training sharing those GPUs with
-    # the rest. null: the server gets GPUs of its own (the last tensor_parallel_size).
-    share_gpu: float | None = None
-    # Extract these presets' layers too (a sweep sets the union of its choices here, so that all
-    # its jobs share one extraction and each trains on its own slots).
-    superset_presets: list[str] = field(default_factory=list)
-
-    def check(self) -> None:
-        if self.mode == ExtractMode.online and self.backend != ExtractBackend.vllm:
-            raise ConfigError(
-                "extract.backend",
-                f"is {self.backend}, but extract.mode=online fetches hidden states from a vLLM "
-                "server; use extract=online (backend vllm, mode online) or extract.mode=offline",
-            )
-        if self.concurrency is not None:
-            _at_least("extract.concurrency", self.concurrency, 1)
-        if self.batch_tokens is not None:
-            _at_least("extract.batch_tokens", self.batch_tokens, 16)
-        if self.share_gpu is not None and not 0.05 <= self.share_gpu <= 0.9:
-            raise ConfigError(
-                "extract.share_gpu",
-                f"{self.share_gpu} must be between 0.05 and 0.9 (the fraction of each serving "
-                "GPU's memory the online server takes; training gets the rest)",
-            )
-        _at_least("extract.request_timeout_s", self.request_timeout_s, 1)
-        _at_least("extract.max_retries", self.max_retries, 0)
-        unknown = [p for p in self.superset_presets if p not in CAPTURE_PRESETS]
-        if unknown:
-            raise ConfigError(
-                "extract.superset_presets",
-                f"unknown preset(s) {unknown}; choose from {sorted(CAPTURE_PRESETS)}",
-            )
-
-
-# extract.batch_tokens on a GPU when unset.
-GPU_EXTRACT_BATCH_TOKENS = 16384
-
-
-@dataclass
-class TrainConfig:
-    name: str = MISSING
-    # Deprecated: the draft vocabulary is the vocab stage's, `vocab.draft_vocab_size`. Still
-    # read (with a warning) so that old command lines and sweep files keep working.
-    draft_vocab_size: int | None = None
-    num_layers: int = 1
-    ttt_steps: int = 3
-    epochs: int = 1
-    # Stop after this many optimizer steps (null = all epochs).
-    max_steps: int | None = None
-    lr: float = 1e-3
-    optimizer: Optimizer = Optimizer.adamw
-    scheduler: Scheduler = Scheduler.linear
-    warmup_ratio: float = 0.05
-    # Tokens per packed training batch; null = data.max_seq_len (one full row per batch).
-    # On CPU, attention cost grows with it: short packs train fastest.
-    total_seq_len: int | None = None
-    val_ratio: float = 0.05
-    # A speculators loss name (kl_div, rkl, jsd, ce, tv, nla, lk_hybrid) or a JSON weighting;
-    # checked by speculators itself in the plan.
-    loss_fn: str = "kl_div"
-    # eager runs anywhere; fused needs Triton on a GPU.
-    loss_implementation: LossImplementation = LossImplementation.eager
-    # sdpa runs anywhere; simple_flex_attention is speculators' GPU default.
-    draft_attn_impl: DraftAttention = DraftAttention.sdpa
-    num_workers: int = 0
-    log_freq: int = 1
-    seed: int = 0
-    # GPUs training uses, one torchrun rank each; null = every GPU of `hardware`. One GPU (or
-    # a CPU) trains in the runner's own process.
-    num_gpus: int | None = None
-    # Shard parameters, gradients and optimizer states across the GPUs (FSDP2) instead of
-    # replicating them (DDP): for drafts whose training state does not fit one GPU.
-    fsdp: bool = False
-    # Ranks on a machine without GPUs (torch.distributed over gloo): exercises the multi-rank
-    # path on CPU (tests, CI); 1 = in the runner's process.
-    cpu_processes: int = 1
-    # A resumable checkpoint every this fraction of an epoch (0.25 = four per epoch; whole
-    # numbers = every N epochs); null = at the end of each epoch. Interrupted training resumes
-    # from the latest one.
-    checkpoint_every: float | None = None
-    # Seconds the trainer gets, after SIGTERM / SIGUSR1 / Ctrl-C, to reach a step boundary and
-    # save its checkpoint before it is killed.
-    stop_timeout_s: int = 600
-    # Print speculators' per-step metric records on the console too (they always go to MLflow
-    # and to the work folder's metrics.jsonl; the console gets a progress line every 30 s).
-    echo_steps: bool = False
-    # Publish every epoch's draft beside the final one (<train artifact>/epochs/<n>), to measure
-    # served acceptance against tokens trained and keep the best epoch (EAGLE-3 can degrade with
-    # more epochs). One draft's size per epoch.
-    keep_epoch_drafts: bool = False
-    # The draft layers' attention, as speculators builds it and vLLM serves it: each layer sees
-    # the last `sliding_window` tokens (speculators' default, 2048), except the draft layers
-    # (0-based) in full_attention_layers, which see the whole context. Equal for contexts within
-    # the window; beyond it speculators measured full attention ahead at 2k-8k tokens and the
-    # window ahead at 20k (its PR #684).
-    sliding_window: int = 2048
-    full_attention_layers: list[int] = field(default_factory=list)
-    # Any further speculators train flag, e.g. {norm_before_fc: true}.
-    extra_args: dict[str, Any] = field(default_factory=dict)
-
-    def check(self) -> None:
-        for key in ("num_layers", "ttt_steps", "epochs", "log_freq", "sliding_window"):
-            _at_least(f"train.{key}", getattr(self, key), 1)
-        full = list(self.full_attention_layers)
-        bad = [i for i in full if not 0 <= i < self.num_layers]
-        if bad or len(set(full)) != len(full):
-            raise ConfigError(
-                "train.full_attention_layers",
-                f"{full}: each must be a draft layer index in [0, {self.num_layers}) "
-                f"(train.num_layers={self.num_layers}), each once",
-            )
-        if self.max_steps is not None:
-            _at_least("train.max_steps", self.max_steps, 1)
-        if self.total_seq_len is not None:
-            _at_least("train.total_seq_len", self.total_seq_len, 16)
-        _within("train.warmup_ratio", self.warmup_ratio, 0.0, 1.0)
-        _seed("train.seed", self.seed)
-        _at_least("train.num_workers", self.num_workers, 0)
-        _at_least("train.cpu_processes", self.cpu_processes, 1)
-        _at_least("train.stop_timeout_s", self.stop_timeout_s, 1)
-        if self.num_gpus is not None:
-            _at_least("train.num_gpus", self.num_gpus, 1)
-        c = self.checkpoint_every
-        if c is not None and (c <= 0 or (c > 1 and not float(c).is_integer())):
-            raise ConfigError(
-                "train.checkpoint_every",
-                f"{c} must be a fraction of an epoch (0 < x <= 1) or a whole number of epochs",
-            )
-        if not 0 < self.val_ratio < 1:
-            raise ConfigError("train.val_ratio", f"{self.val_ratio} must be in (0, 1)")
-        if self.lr <= 0:
-            raise ConfigError("train.lr", f"{self.lr} must be > 0")
-
-
 # The longest experiment name every MLflow store keeps: its client checks 500 characters
 # (mlflow.utils.validation), its SQL stores' column holds 256 (a database server refuses more).
 EXPERIMENT_NAME_MAX = 256
@@ -862,113 +656,39 @@ class RunConfig:
 
 @dataclass
 class RunnerConfig:
+    """The run-wide sections. Each stage adds its own section (`Stage.settings`: extract, train,
+    vocab, eval, regenerate) through the registry's schema (`schema_for`); a section may define
+    `resolve(cfg)` (defaults that depend on other sections, called once when the config is
+    typed) and `check_across(cfg)` (its rules against other sections), so that a stage's rules
+    live beside its settings, not here."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    extract: ExtractConfig = field(default_factory=ExtractConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
+    def sections(self) -> list[Any]:
+        """Every section, the stages' own included, in the schema's order."""
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
     def check(self, stage_names: tuple[str, ...]) -> None:
         """Every check that needs nothing but this config: each section's own (found from the
-        dataclass fields, a stage's own settings section included), then the few between
-        sections."""
+        dataclass fields, a stage's own settings section included), then each section's rules
+        against the others (`check_across`)."""
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if f.name != "run" and callable(getattr(section, "check", None)):
                 section.check()
         self.run.check(stage_names)
-        t, d, hw = self.train, self.data, self.hardware
-        if t.total_seq_len is not None and t.total_seq_len < d.max_seq_len:
-            raise ConfigError(
-                "train.total_seq_len",
-                f"{t.total_seq_len} is below data.max_seq_len={d.max_seq_len}; "
-                "a sample would not fit a batch",
-            )
-        if hw.num_nodes > 1 and self.extract.mode == ExtractMode.online:
-            raise ConfigError(
-                "hardware.num_nodes",
-                "online training on several nodes is not supported (the states come from one "
-                "server on the first node); extract offline (extract.mode=offline), then train",
-            )
-        several = hw.vllm.endpoints or hw.vllm.data_parallel > 1
-        if several and self.extract.mode == ExtractMode.online:
-            raise ConfigError(
-                "hardware.vllm.endpoints" if hw.vllm.endpoints else "hardware.vllm.data_parallel",
-                "online training fetches its states from one server (speculators' "
-                "--vllm-endpoint); use hardware.vllm.endpoint, or extract.mode=offline to extract "
-                "through several",
-            )
-        if hw.device == "cpu" and t.loss_implementation == "fused":
-            raise ConfigError(
-                "train.loss_implementation", "'fused' is a Triton GPU kernel; use 'eager' on CPU"
-            )
-        if hw.device == "cpu" and t.draft_attn_impl == "simple_flex_attention":
-            raise ConfigError(
-                "train.draft_attn_impl", "flex attention needs a GPU; use 'sdpa' on CPU"
-            )
-        if hw.device == "cpu" and t.num_gpus:
-            raise ConfigError(
-                "train.num_gpus",
-                f"{t.num_gpus} GPUs on hardware '{hw.name}' (device cpu); use null, or "
-                "train.cpu_processes for several CPU ranks",
-            )
-        if hw.device == "cuda" and t.num_gpus is not None and t.num_gpus > hw.num_gpus:
-            raise ConfigError(
-                "train.num_gpus",
-                f"{t.num_gpus} exceeds the {hw.num_gpus} GPU(s) of hardware '{hw.name}' "
-                "(hardware.num_gpus)",
-            )
-        if hw.device == "cuda" and t.cpu_processes != 1:
-            raise ConfigError(
-                "train.cpu_processes", "is for machines without GPUs; use train.num_gpus"
-            )
-        if t.fsdp and self.train_ranks() < 2:
-            raise ConfigError(
-                "train.fsdp",
-                f"shards across ranks, but training has {self.train_ranks()} "
-                "(train.num_gpus / hardware.num_gpus); use it with 2 or more GPUs",
-            )
+        for section in self.sections():
+            if callable(getattr(section, "check_across", None)):
+                section.check_across(self)
 
     def run_name(self) -> str:
         """run.name, else <model>-<data>-<train> (the options that make the recipe)."""
-        return self.run.name or f"{self.model.name}-{self.data.name}-{self.train.name}"
-
-    def train_ranks(self) -> int:
-        """How many processes train: GPUs on a GPU machine, `cpu_processes` without one."""
-        if self.hardware.device == "cpu":
-            return self.train.cpu_processes
-        n = self.train.num_gpus if self.train.num_gpus is not None else self.hardware.num_gpus
-        if (
-            self.train.num_gpus is None
-            and self.serves_while_training()
-            and self.extract.share_gpu is None
-        ):
-            # The server the train stage starts takes tensor_parallel_size GPUs of the box.
-            n = self.hardware.num_gpus - self.hardware.tensor_parallel_size
-        return max(n, 1)
-
-    def extract_concurrency(self) -> int:
-        """Extraction requests in flight (extract.concurrency, or its default for the device)."""
-        if self.extract.concurrency is not None:
-            return self.extract.concurrency
-        return 8 if self.hardware.device == "cpu" else 64
-
-    def extract_batch_tokens(self) -> int | None:
-        """Tokens an extraction server runs in one step (at least one row); None: vLLM's."""
-        step = self.extract.batch_tokens
-        if step is None:
-            if self.hardware.device == "cpu":
-                return None
-            # vLLM's own step, with chunked prefill off, is one context (2,049 tokens here: about
-            # four rows a step); prefill-only requests gain from more a step.
-            step = GPU_EXTRACT_BATCH_TOKENS
-        return max(step, self.data.max_seq_len + 1)
-
-    def serves_while_training(self) -> bool:
-        """Online training with a server the runner starts on this machine (not an endpoint)."""
-        return self.extract.mode == ExtractMode.online and not self.hardware.vllm.endpoint
+        recipe = getattr(getattr(self, "train", None), "name", None) or "draft"
+        return self.run.name or f"{self.model.name}-{self.data.name}-{recipe}"
 
 
 def schema_for(stages: Iterable[Any]) -> type[RunnerConfig]:
@@ -1063,44 +783,23 @@ def typed(
     if isinstance(node, RunnerConfig):
         return node
     schema = schema or _REGISTERED[0]
-    return _resolved(_moved(_typed(node, schema)))
-
-
-# Conversations kept unread for the held-out prompt set when data.hold_out is null.
-HELD_OUT_ROOM = 200
+    return _resolved(_typed(node, schema))
 
 
 def _resolved(cfg: RunnerConfig) -> RunnerConfig:
     """hardware.dtype: auto -> this machine's own format (runner/core/number_format.py), so that
-    every stage, key and figure sees the format it computes in; serving flags folded."""
+    every stage, key and figure sees the format it computes in; then each section's `resolve`
+    (a stage's defaults that depend on other sections); serving flags folded."""
     if cfg.hardware.dtype == Dtype.auto:
         cfg.hardware.dtype = Dtype(choose_dtype(str(cfg.hardware.device)).dtype)
-    ev = getattr(cfg, "eval", None)  # the evaluate stage's section, where it is registered
-    if ev is not None and ev.draft and cfg.run.stages == [ALL_STAGES]:
-        # A draft trained elsewhere is evaluated alone: training one here would be ignored.
-        cfg.run.stages = ["evaluate"]
-    if cfg.data.hold_out is None:
-        serves = ev is not None and "heldout" in ev.prompts and not ev.draft
-        cfg.data.hold_out = HELD_OUT_ROOM if serves else 0
+    for section in cfg.sections():
+        if callable(getattr(section, "resolve", None)):
+            section.resolve(cfg)
+    if cfg.data.hold_out is None:  # no stage serves the held-out set
+        cfg.data.hold_out = 0
     # Serving settings written as flags in hardware.vllm.extra_args are the typed keys'
     # (runner/core/serving_flags.py): every check and key reads them in one place.
     fold(cfg.hardware.vllm, cfg.hardware.env)
-    return cfg
-
-
-def _moved(cfg: RunnerConfig) -> RunnerConfig:
-    """train.draft_vocab_size -> vocab.draft_vocab_size (the vocab stage owns it)."""
-    old = cfg.train.draft_vocab_size
-    if old is None:
-        return cfg
-    vocab = getattr(cfg, "vocab", None)
-    if vocab is None:
-        raise ConfigError("train.draft_vocab_size", "is deprecated; set vocab.draft_vocab_size")
-    logging.getLogger("runner").warning(
-        "train.draft_vocab_size is deprecated; use vocab.draft_vocab_size (taking %d)", old
-    )
-    vocab.draft_vocab_size = old
-    cfg.train.draft_vocab_size = None
     return cfg
 
 

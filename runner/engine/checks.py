@@ -1,7 +1,8 @@
 """Every check of a run's config, in one pass and one place each.
 
 `check_config(cfg, stage_names)` runs the checks that need nothing but the config (each beside
-its field in runner/core/schema.py). `check_target(cfg, target, stages)` runs the ones that need the
+its field: runner/core/schema.py for the run-wide sections, stages/<stage>/settings.py for a
+stage's own). `check_target(cfg, target, stages)` runs the ones that need the
 target's facts, read from its config files in seconds (runner/assets/target_facts.py): the target's
 own (layers, heads, TP, weights per GPU), then each stage's `Stage.check_target` for its own
 settings. Both raise `ConfigError` naming the key to change. What depends on this machine

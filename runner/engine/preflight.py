@@ -162,6 +162,7 @@ def _engine_lines(
     if refused:
         plan.error("hardware.vllm.extra_args", f"vLLM {have}'s own parser refuses them: {refused}")
     support = vllm_eagle3_support(arch, have)
+    extracting = [n for n in needs.values() if n.kind == EXTRACTION]
     if support is None:
         plan.warn("run.stages", f"could not ask vLLM {have} whether {arch} supports EAGLE-3")
     elif not support["known"]:
@@ -176,11 +177,9 @@ def _engine_lines(
             f"hidden states), so {who} cannot capture or serve with a draft; use a target class "
             "that does, or another vLLM (hardware.vllm.command)",
         )
-    elif any(n.kind == EXTRACTION for n in needs.values()) and not support.get(
-        "extract_hidden_states"
-    ):
+    elif extracting and not support.get("extract_hidden_states"):
         plan.error(
-            "extract.backend",
+            extracting[0].key,
             f"vLLM {have} lacks the extract_hidden_states speculative method or its "
             "hidden-states connector; use extract=transformers or a newer vLLM",
         )
@@ -333,6 +332,7 @@ def _check_endpoint(
         len_key=need.context_key,
         dtype=cfg.hardware.dtype,
         k=need.k,
+        k_key=need.k_key or "k",
     )
     for level, k, message in found:
         (plan.error if level == "error" else plan.warn)(k, message)

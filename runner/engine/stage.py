@@ -115,8 +115,12 @@ class ServerNeed:
     # existing server's is too short).
     context: int
     context_key: str
-    # Speculative tokens an existing draft server must propose (draft only).
+    # Speculative tokens an existing draft server must propose (draft only), and their key.
     k: int | None = None
+    k_key: str | None = None
+    # The setting that makes the stage start this server: named when the installed vLLM lacks
+    # what the server needs (e.g. extract.backend for an extraction server).
+    key: str = "run.stages"
 
     @property
     def needs_eagle3(self) -> bool:
@@ -194,9 +198,11 @@ class Stage:
     enabled: Callable[[RunnerConfig], bool] | None = None
     # Settings of its own: a dataclass (defaults, a `check()` raising ConfigError) that becomes
     # the config section named after the stage, or `section` (runner.core.schema.schema_for),
-    # read as `cfg.<section>`; a conf/<section>/ group of options is optional. vocab, regenerate
-    # and evaluate own theirs; prepare's, extract's and train's (data, extract, train) are still
-    # in runner/core/schema.py, read there by the companions and the integrations.
+    # read as `cfg.<section>`; a conf/<section>/ group of options is optional. It may define
+    # `resolve(cfg)` (defaults that depend on other sections) and `check_across(cfg)` (its rules
+    # against other sections), called by runner/core/schema.py. extract, vocab, train, evaluate
+    # and regenerate own theirs; `data` (read by prepare, regenerate and the held-out prompts
+    # alike: the run's input, like `model`) is run-wide, in runner/core/schema.py.
     settings: type | None = None
     # The name of that section where it is not the stage's own (evaluate's is `eval`).
     section: str | None = None

@@ -126,6 +126,7 @@ def problems(
     len_key: str,
     dtype: str,
     k: int | None = None,
+    k_key: str = "k",
 ) -> list[tuple[str, str, str]]:
     """(level, key, message) for every way the server differs from what a stage needs.
 
@@ -182,7 +183,7 @@ def problems(
     if info.config is None:
         if need == DRAFT and k is not None and info.spec_positions != k:
             err(
-                "eval.num_speculative_tokens",
+                k_key,
                 f"proposes {info.spec_positions} draft tokens (per-position counters in /metrics)"
                 f", this run expects k={k}",
             )
@@ -204,7 +205,7 @@ def problems(
         )
     if need == DRAFT and k is not None and spec.get("num_speculative_tokens") != k:
         err(
-            "eval.num_speculative_tokens",
+            k_key,
             f"proposes {spec.get('num_speculative_tokens')} draft tokens; this run expects k={k}",
         )
     served_dtype = str((info.config.get("model_config") or {}).get("dtype", "")).split(".")[-1]

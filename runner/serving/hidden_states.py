@@ -17,6 +17,23 @@ from runner.serving.vllm_server import engine_args
 CPU_CONNECTOR_MODULE = "runner.integrations.vllm_cpu_connector"
 
 
+# extract.batch_tokens on a GPU when unset.
+GPU_EXTRACT_BATCH_TOKENS = 16384
+
+
+def batch_tokens(cfg: RunnerConfig) -> int | None:
+    """Tokens an extraction server runs in one step (extract.batch_tokens; at least one row);
+    None: vLLM's own (on a CPU, when unset)."""
+    step = cfg.extract.batch_tokens
+    if step is None:
+        if cfg.hardware.device == "cpu":
+            return None
+        # vLLM's own step, with chunked prefill off, is one context (2,049 tokens here: about
+        # four rows a step); prefill-only requests gain from more a step.
+        step = GPU_EXTRACT_BATCH_TOKENS
+    return max(step, cfg.data.max_seq_len + 1)
+
+
 def server_args(cfg: RunnerConfig, facts: ModelFacts, staging: Path) -> list[str]:
     """Flags for an extraction server, all derived from the composed config."""
     cpu = cfg.hardware.device == "cpu"
@@ -34,7 +51,7 @@ def server_args(cfg: RunnerConfig, facts: ModelFacts, staging: Path) -> list[str
     }
     if cpu:
         kv["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
-    step = cfg.extract_batch_tokens()  # extract.batch_tokens; None: vLLM's default
+    step = batch_tokens(cfg)
     batch = ["--max-num-batched-tokens", str(step)] if step else []
     # Each prepared row plus the one generated token.
     return [

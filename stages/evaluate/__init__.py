@@ -806,7 +806,12 @@ STAGE = Stage(
     tables=tables,
     figures=figures,
     server=lambda cfg: ServerNeed(
-        DRAFT, cfg.eval.max_model_len, "eval.max_model_len", k=cfg.eval.num_speculative_tokens
+        DRAFT,
+        cfg.eval.max_model_len,
+        "eval.max_model_len",
+        k=cfg.eval.num_speculative_tokens,
+        k_key="eval.num_speculative_tokens",
+        key="eval.draft" if cfg.eval.draft else "run.stages",
     ),
     reads=_reads,
     objective="acceptance_length",

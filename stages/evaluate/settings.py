@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from omegaconf import MISSING
 
 from runner.assets.prompts import prompt_set_name
 from runner.core.errors import ConfigError
-from runner.core.schema import above, at_least, within
+from runner.core.schema import ALL_STAGES, above, at_least, within
+
+if TYPE_CHECKING:
+    from runner.core.schema import RunnerConfig
 
 
 class Gates(StrEnum):
@@ -42,6 +46,8 @@ SPECULATIVE_TOKENS_MAX = 32
 # The most closed-loop streams a level of eval.concurrency opens (vLLM's default
 # max-num-seqs on a GPU is 256 to 1024; the field measures up to 128).
 CONCURRENCY_MAX = 1024
+# Conversations kept unread for the held-out prompt set when data.hold_out is null.
+HELD_OUT_ROOM = 200
 
 
 @dataclass
@@ -135,6 +141,15 @@ class EvalConfig:
     # token in 240 outputs in some runs of the default and not in seven passes after
     # (docs/troubleshooting.md).
     transient_mismatches: Gates | None = None
+
+    def resolve(self, cfg: RunnerConfig) -> None:
+        """A draft trained elsewhere is evaluated alone (training one here would be ignored);
+        data.hold_out, when null, keeps the held-out set's room where it is served."""
+        if self.draft and cfg.run.stages == [ALL_STAGES]:
+            cfg.run.stages = ["evaluate"]
+        if cfg.data.hold_out is None:
+            serves = "heldout" in self.prompts and not self.draft
+            cfg.data.hold_out = HELD_OUT_ROOM if serves else 0
 
     def check(self) -> None:
         for key in (

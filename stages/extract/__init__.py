@@ -39,8 +39,11 @@ from runner.engine.costs import Cost
 from runner.engine.cpu_speed import cpu_rate
 from runner.engine.stage import EXTRACTION, Plan, PlanView, ServerNeed, Stage, StageContext
 from runner.integrations.versions import VLLM_DISTS, versions
+from runner.serving.hidden_states import batch_tokens
 from runner.serving.server_pool import gpu_slices, server_count
 from stages.extract.samples import LayerStats
+from stages.extract.settings import ExtractConfig
+from stages.extract.settings import concurrency as extract_concurrency
 
 log = logging.getLogger("runner")
 # Per file beside the states: the token ids' header and bookkeeping, roughly.
@@ -78,7 +81,7 @@ def check_target(cfg: RunnerConfig, target: Target) -> None:
 
 
 def _step(cfg: RunnerConfig) -> str:
-    step = cfg.extract_batch_tokens()
+    step = batch_tokens(cfg)
     return f", steps of up to {step:,} tokens (extract.batch_tokens)" if step else ""
 
 
@@ -181,7 +184,7 @@ def plan(p: Plan, view: PlanView) -> None:
             "extract backend",
             f"{who} extract_hidden_states with eagle_aux_hidden_state_layer_ids "
             f"{ext}, "
-            f"chunked prefill and prefix caching off, {cfg.extract_concurrency()} requests in "
+            f"chunked prefill and prefix caching off, {extract_concurrency(cfg)} requests in "
             f"flight{_step(cfg)}, {x.max_retries} retries per sample",
         )
     else:
@@ -388,6 +391,7 @@ def cpu_seconds(cfg: RunnerConfig, work: Any) -> float:
 
 STAGE = Stage(
     name="extract",
+    settings=ExtractConfig,
     key_config=key_config,
     run=run,
     upstream=("prepare",),
@@ -401,7 +405,7 @@ STAGE = Stage(
     check_target=check_target,
     # Online, the train stage starts (or uses) the server; this stage only records it.
     server=lambda cfg: (
-        ServerNeed(EXTRACTION, cfg.data.max_seq_len + 1, "data.max_seq_len")
+        ServerNeed(EXTRACTION, cfg.data.max_seq_len + 1, "data.max_seq_len", key="extract.backend")
         if cfg.extract.backend == "vllm" and not online(cfg)
         else None
     ),

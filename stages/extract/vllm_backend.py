@@ -41,6 +41,7 @@ from runner.serving.vllm_server import ExistingServer, VllmServer
 from stages.extract import final_slot
 from stages.extract.file_check import FileCheck
 from stages.extract.samples import LayerStats
+from stages.extract.settings import concurrency as extract_concurrency
 
 log = logging.getLogger("runner")
 
@@ -82,7 +83,7 @@ def fetch(
             [Server(s.url, str(s.model_id), partial(answers, s)) for s in pool],
             rows,
             out_dir,
-            concurrency=concurrency or cfg.extract_concurrency(),
+            concurrency=concurrency or extract_concurrency(cfg),
             timeout_s=e.request_timeout_s,
             retries=e.max_retries,
             done=lambda row: (landed(row), bar.update(1)),
@@ -206,7 +207,7 @@ def extract(
         # tokens_per_s), and the whole of it, mostly while the requests were out.
         "check_s": waited_s,
         "check_busy_s": check.busy_s,
-        "concurrency": float(cfg.extract_concurrency()),
+        "concurrency": float(extract_concurrency(cfg)),
         "servers": float(len(servers)),
         "servers_dropped": float(sum(sh["dropped"] for sh in shares)),
         # Each server's own share (the manifest's metrics are flat numbers; servers.json holds
@@ -276,7 +277,7 @@ def _request_all(
             "[extract] requesting the hidden states of %d rows, %d in flight (extract.concurrency)"
             "%s",
             len(todo),
-            cfg.extract_concurrency(),
+            extract_concurrency(cfg),
             f" on each of {len(servers)} servers" if len(servers) > 1 else "",
         )
         t0 = time.time()

@@ -591,7 +591,7 @@ STAGE = Stage(
     summary=summary,
     logged={"logs": "regenerate/logs"},
     server=lambda cfg: (
-        ServerNeed(GENERATE, cfg.data.max_seq_len, "data.max_seq_len")
+        ServerNeed(GENERATE, cfg.data.max_seq_len, "data.max_seq_len", key="regenerate.backend")
         if cfg.regenerate.backend == "vllm"
         else None
     ),

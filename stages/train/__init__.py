@@ -62,6 +62,7 @@ from stages.train.draft_estimate import cpu_seconds
 from stages.train.export import check_export, publish_draft
 from stages.train.online import hidden_state_server
 from stages.train.planning import plan
+from stages.train.settings import TrainConfig, train_ranks
 
 log = logging.getLogger("runner")
 # Settings that change how fast or how safely training runs, not what it produces (the number
@@ -92,7 +93,7 @@ def key_config(cfg: RunnerConfig, facts: ModelFacts) -> dict[str, Any]:
         "aux_layers": list(facts.aux_layers),
         "device": cfg.hardware.device,
         # Every rank of every node: the batches each sees depend on the world size.
-        "ranks": cfg.train_ranks() * cfg.hardware.num_nodes,
+        "ranks": train_ranks(cfg) * cfg.hardware.num_nodes,
     }
     env = keyed(cfg.hardware.env)
     if env:  # what the ranks get that can change what they compute (unset: as before)
@@ -192,7 +193,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     states = work / "no_stored_states" if online else ctx.inputs["extract"].path / "hidden_states"
     if online:
         states.mkdir(exist_ok=True)
-    ranks = ctx.cfg.train_ranks()
+    ranks = train_ranks(ctx.cfg)
     mask = mask_token_id(ctx.facts.path, ctx.facts.vocab_size, ctx.cfg.model.trust_remote_code)
     with hidden_state_server(ctx, server_args) as server:
         settings = speculators_settings(
@@ -344,6 +345,7 @@ def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
 
 STAGE = Stage(
     name="train",
+    settings=TrainConfig,
     key_config=key_config,
     run=run,
     upstream=("prepare", "extract", "vocab"),
@@ -367,7 +369,7 @@ STAGE = Stage(
     cpu_seconds=cpu_seconds,
     # Online, training fetches states from a vLLM server (extract.mode=online).
     server=lambda cfg: (
-        ServerNeed(EXTRACTION, cfg.data.max_seq_len + 1, "data.max_seq_len")
+        ServerNeed(EXTRACTION, cfg.data.max_seq_len + 1, "data.max_seq_len", key="extract.mode")
         if cfg.extract.mode == "online"
         else None
     ),

@@ -13,6 +13,7 @@ from typing import Any
 from runner.assets.target_facts import Target
 from runner.core.schema import RunnerConfig
 from runner.engine.stage import Plan
+from stages.train.settings import train_ranks
 
 
 def _intermediate(target: Target) -> int:
@@ -58,7 +59,7 @@ def memory_estimate(cfg: RunnerConfig, target: Target) -> dict[str, float]:
     Measured on H200 at the Kimi-K2.5 shape (docs/benchmarks.md): 1 GPU 35.7 GiB allocated at
     peak against 32.0 estimated, 2 GPUs (DDP) 41.4 against 35.4."""
     t, layout = cfg.train, target.layout
-    h, vd, ranks = layout.hidden_size, cfg.vocab.draft_vocab_size, cfg.train_ranks()
+    h, vd, ranks = layout.hidden_size, cfg.vocab.draft_vocab_size, train_ranks(cfg)
     seq = t.total_seq_len or cfg.data.max_seq_len
     shard = ranks if t.fsdp else 1
     trained = trainable_params(cfg, target)

@@ -32,6 +32,7 @@ from typing import Any
 from runner.core.errors import StageError
 from runner.core.schema import RunnerConfig
 from runner.processes.cluster import Rendezvous, node_rank
+from stages.train.settings import train_ranks
 
 log = logging.getLogger("runner")
 REQUEST = "request.json"
@@ -116,14 +117,14 @@ def follow(cfg: RunnerConfig, train: Any, store: Any) -> None:
         rank,
         body["attempt"],
         rdzv.endpoint,
-        cfg.train_ranks(),
+        train_ranks(cfg),
     )
     # This node's log, outside the leader's work folder (published and removed by the leader).
     logs = work.parent / f"{work.name}-node{rank}"
     code, stopped_by, tail = run_ranks(
         "runner.integrations.speculators_worker",
         work / REQUEST,
-        cfg.train_ranks(),
+        train_ranks(cfg),
         logs / f"train_attempt{body['attempt']}.log",
         label=f"train:node{rank}",
         stop_timeout_s=cfg.train.stop_timeout_s,

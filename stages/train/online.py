@@ -30,15 +30,16 @@ from runner.core.schema import RunnerConfig
 from runner.engine.stage import Plan, StageContext
 from runner.serving import shared_servers
 from runner.serving.vllm_server import serve
+from stages.train.settings import serves_while_training, train_ranks
 
 log = logging.getLogger("runner")
 
 
 def serving_gpus(cfg: RunnerConfig) -> list[str] | None:
     """Online on a GPU box: the GPUs the train stage's server gets (the last
-    tensor_parallel_size of the visible ones); training takes the first train_ranks()."""
+    tensor_parallel_size of the visible ones); training takes the first train_ranks(cfg)."""
     hw = cfg.hardware
-    if hw.device != "cuda" or not cfg.serves_while_training():
+    if hw.device != "cuda" or not serves_while_training(cfg):
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
@@ -185,7 +186,7 @@ def plan_online(p: Plan, cfg: RunnerConfig) -> None:
     if hw.device != "cuda":
         p.add("online", "the train stage's vLLM server and training share this machine's CPUs")
         return
-    tp, n, ranks = hw.tensor_parallel_size, hw.num_gpus, cfg.train_ranks()
+    tp, n, ranks = hw.tensor_parallel_size, hw.num_gpus, train_ranks(cfg)
     share = cfg.extract.share_gpu
     if share is not None:
         gpus = serving_gpus(cfg) or []

@@ -19,6 +19,7 @@ from runner.integrations.speculators import (
 from runner.integrations.speculators_settings import setting_key, speculators_settings
 from stages.train.draft_estimate import draft_params, plan_memory
 from stages.train.online import plan_online
+from stages.train.settings import train_ranks
 
 log = logging.getLogger("runner")
 
@@ -79,7 +80,7 @@ def cost(view: PlanView, nodes_: int) -> costs.Cost | None:
                 f"{row['draft_vocab']} ({source})"
             )
             est = True
-    ranks = cfg.train_ranks() * nodes_
+    ranks = train_ranks(cfg) * nodes_
     eff = costs.efficiency(ranks, float(row["efficiency_2"]))
     tokens, _exact = costs.prepared_tokens(view, "prepare")
     wall = float(row["fixed_s"]) + tokens * cfg.train.epochs / (rate * ranks * eff)
@@ -142,7 +143,7 @@ def plan(p: Plan, view: PlanView) -> None:
         f"{seq} tokens x {vd} draft vocab x fp32 = {fmt_bytes(draft_logits)} per batch (full vocab "
         f"would be {fmt_bytes(full_logits)}; {fmt_bytes(layout.vocab_size * 4)}/token)",
     )
-    ranks, hw = cfg.train_ranks(), cfg.hardware
+    ranks, hw = train_ranks(cfg), cfg.hardware
     mode = "in this process" if ranks == 1 else f"torchrun, {'FSDP2' if t.fsdp else 'DDP'}"
     every = (
         f"every {t.checkpoint_every:g} epoch(s)" if t.checkpoint_every else "at each epoch's end"
