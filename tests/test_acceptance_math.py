@@ -106,6 +106,30 @@ def test_sweep_table_has_a_column_per_position_for_every_k(tmp_path):
     ) in narrow
 
 
+def test_a_stopped_sweep_reports_its_time_and_why_each_job_ended(tmp_path):
+    """A job killed mid-stage timed none of its stages: report shows its wall time and the
+    reason its run recorded, not "sweep time 0 s" and nothing."""
+    import time
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("eagle3", artifact_location=(tmp_path / "art").as_uri())
+    params = json.dumps({"train.lr": "1e-3,2e-3"})
+    parent = client.create_run(exp, tags={"sweep.config": "lr", "sweep.params": params})
+    now = int(time.time() * 1000)
+    for job, (status, failure) in enumerate(
+        (("KILLED", "interrupted by SIGTERM during stage 'train'"), ("FAILED", None))
+    ):
+        tags = {"mlflow.parentRunId": parent.info.run_id, "sweep.job": str(job)}
+        run = client.create_run(exp, start_time=now, tags=tags)
+        client.log_param(run.info.run_id, "train.lr", ("1e-3", "2e-3")[job])
+        if failure:
+            client.set_tag(run.info.run_id, "failure", failure)
+        client.set_terminated(run.info.run_id, status, end_time=now + 42_000)
+    table = render_table(comparison_rows(client, parent.info.run_id))
+    assert "job 0 KILLED: interrupted by SIGTERM during stage 'train'" in table, table
+    assert "job 1 FAILED: failed" in table and "sweep time 84 s" in table, table
+
+
 def test_a_divergence_at_a_near_tie_is_told_from_a_real_mismatch():
     from stages.evaluate.measures import MISMATCH, NEAR_TIE, UNKNOWN, divergence
 

@@ -460,3 +460,13 @@ def test_an_interrupted_sweep_ends_its_parent_killed(tiny_model_dir, chats_jsonl
     parents = [r for r in runs if r.info.run_name.startswith("sweep ")]
     assert [p.info.status for p in parents] == ["KILLED"], [r.info.status for r in runs]
     assert "RUNNING" not in [r.info.status for r in runs]
+    # report on the stopped sweep: the parent says it was stopped; the finished job is kept.
+    import contextlib
+    import io
+
+    from runner.commands.report import main as report
+
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        report([parents[0].info.run_id, "--output-root", str(tmp_path)])
+    assert "KILLED" in shown.getvalue().splitlines()[0] and "FINISHED" in shown.getvalue()

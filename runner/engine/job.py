@@ -272,12 +272,16 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
     except BaseException as exc:
         # A signal is not a failure of the run's own making: MLflow shows it as KILLED. A second
         # signal while the run is being closed waits until it is closed.
-        stopped = as_interrupted(exc) is not None
+        signal_ = as_interrupted(exc)
+        stopped = signal_ is not None
+        where = f" during stage '{signal_.stage}'" if signal_ and signal_.stage else ""
         with held_back():
             _end_failed(
                 tracker,
                 "KILLED" if stopped else "FAILED",
-                None if stopped else f"{type(exc).__name__}: {exc}",
+                f"interrupted by {signal_.name}{where}"
+                if signal_
+                else f"{type(exc).__name__}: {exc}",
             )
         raise
     with held_back() as came:

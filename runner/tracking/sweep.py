@@ -343,6 +343,13 @@ def run_row(child: Any, swept: list[str]) -> dict[str, Any]:
     row["computed"] = ",".join(s for s in names if t.get(f"stage.{s}") == "computed")
     row["job_s"] = sum(m.get(f"time/{s}_s", 0.0) for s in names)
     row["alone_s"] = sum(m.get(f"time/{s}_compute_cost_s", 0.0) for s in names)
+    info = child.info
+    if info.status != "FINISHED":
+        # A stopped or failed job timed none of its stages: its wall time, and why it ended.
+        if info.end_time and info.start_time:
+            row["job_s"] = row["job_s"] or (info.end_time - info.start_time) / 1000
+            row["alone_s"] = row["alone_s"] or row["job_s"]
+        row["reason"] = (t.get("failure") or info.status.lower()).splitlines()[0][:200]
     return row
 
 
@@ -422,7 +429,7 @@ def render_table(rows: list[dict[str, Any]], width: int | None = TABLE_WIDTH) ->
     `width` characters (None: all), and a last line naming those left out."""
     if not rows:
         return "(no jobs)"
-    cols = _decision_first([c for c in rows[0] if c != "run_id"])
+    cols = _decision_first([c for c in rows[0] if c not in ("run_id", "reason")])
     fmt = _cell
     cells = [[fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
@@ -445,6 +452,8 @@ def render_table(rows: list[dict[str, Any]], width: int | None = TABLE_WIDTH) ->
             "eagle3-runner report --wide, --csv or --json shows them)"
         )
     out += _best_line(rows)
+    # Each job that did not finish, and why (its failure, or the signal that stopped it).
+    out += [f"job {r.get('job')} {r.get('status')}: {r['reason']}" for r in rows if r.get("reason")]
     if len(rows) == 1 or "job_s" not in rows[0]:
         return "\n".join(out)
     total_job = sum(r["job_s"] for r in rows)
