@@ -241,8 +241,10 @@ def test_mlflow_run_holds_everything(runs):
         k.startswith(("dflash", "draft.", "train/final_", "train/val_")) for k in run.data.metrics
     )
     # The description opens with the acceptance on the first prompt set: the page shows its top.
-    note = run.data.tags["mlflow.note.content"].splitlines()
-    assert note[1].startswith("==== eagle3 runner: done") and note[2].startswith(
+    from runner.tracking.runs import description_text
+
+    note = description_text(run.data.tags["mlflow.note.content"]).splitlines()
+    assert note[0].startswith("==== eagle3 runner: done") and note[1].startswith(
         "acceptance length"
     ), note[:4]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.core.layout import default_root
-from runner.tracking.runs import store_to_read
+from runner.tracking.runs import description_text, store_to_read
 from runner.tracking.sweep import TABLE_WIDTH, comparison_rows, render_table, run_row
 
 
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run {tags.get('mlflow.runName', '')} ({run_id}, {run.info.status})")
         print(render_table(rows, width))
         note = tags.get("mlflow.note.content")
-        if note:  # the summary's code block (the figures' images after it are for the UI)
-            print(note.removeprefix("```").split("```")[0].strip("\n"))
+        if note:  # the summary (the figures' images after it are for the UI)
+            print(description_text(note))
         for line in estimate_lines(run.data.metrics):
             print(line)
     return 0

@@ -58,7 +58,13 @@ from runner.tracking.job_tags import (
     RESULTS_FILE,
     SERIES_TAG,
 )
-from runner.tracking.runs import Tracker, process_tags, registered_name, tracking_uri
+from runner.tracking.runs import (
+    Tracker,
+    description_markdown,
+    process_tags,
+    registered_name,
+    tracking_uri,
+)
 from runner.tracking.sweep import PARENT_ENV, SEARCH_ENV, sweep_job, sweep_job_tags, swept_keys
 
 log = logging.getLogger("runner")
@@ -265,7 +271,7 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         if not (failed or warned or cfg.run.smoke_test) and cfg.tracking.register_draft:
             _register(tracker, cfg, results, description)
         # The results head the run's page in the MLflow UI.
-        tracker.set_description("```\n" + description + "\n```" + tracker.figures_markdown())
+        tracker.set_description(description_markdown(description) + tracker.figures_markdown())
         if failed:
             _echo(summary)  # the figures that failed, before the run ends FAILED
             raise StageError("; ".join(failed))

@@ -547,6 +547,44 @@ class Tracker:
         return ui_command(self.uri, self.experiment_id, self.run_id)
 
 
+def description_markdown(text: str) -> str:
+    """A run's summary as Markdown that wraps on its MLflow page: each line an inline code span
+    (monospaced, but wrapping at its spaces) ending in a hard line break, indentation kept as
+    non-breaking spaces. A code block would not wrap: its longest line (the 300-character serve
+    command) widened the page to 4,200 px and pushed the side panel (status, datasets,
+    registered model) off a 1600 px screen."""
+    out = []
+    for line in text.splitlines():
+        body = line.strip()
+        if not body:
+            out.append("")
+            continue
+        indent = "&nbsp;" * (len(line) - len(line.lstrip()))
+        tick = "``" if "`" in body else "`"
+        pad = " " if body.startswith("`") or body.endswith("`") else ""
+        out.append(f"{indent}{tick}{pad}{body}{pad}{tick}  ")
+    return "\n".join(out)
+
+
+def description_text(markdown: str) -> str:
+    """The summary again, from a run's description (`report` prints it): the lines before the
+    figures, code spans and indentation undone; a description written as one code block (runs
+    of earlier versions) is read too."""
+    import re
+
+    if markdown.startswith("```"):
+        return markdown.removeprefix("```").split("```")[0].strip("\n")
+    lines = []
+    for line in markdown.split("\n\n![")[0].splitlines():
+        line = line.rstrip()
+        indent = 0
+        while line.startswith("&nbsp;"):
+            line, indent = line[len("&nbsp;") :], indent + 1
+        span = re.fullmatch(r"(`+) ?(.*?) ?\1", line)
+        lines.append(" " * indent + (span.group(2) if span else line))
+    return "\n".join(lines).strip("\n")
+
+
 def ui_command(uri: str, experiment_id: str | None, run_id: str | None) -> str:
     """How to see a run: the UI command, then the run's page in MLflow's model-training view
     (the `workflowType` the UI reads from the address; it opens in its GenAI view otherwise)."""
