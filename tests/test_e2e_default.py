@@ -196,6 +196,10 @@ def test_mlflow_run_holds_everything(runs):
     }
     assert ("mtbench", "evaluation") in found and ("humaneval", "evaluation") in found
     assert any(context == "training" for _, context in found)
+    # Each prompt set with content: its prompts as rows (schema and profile in the UI).
+    (mt,) = [i.dataset for i in run.inputs.dataset_inputs if i.dataset.name == "mtbench"]
+    columns = [c["name"] for c in json.loads(mt.schema)["mlflow_colspec"]]
+    assert "prompt" in columns and json.loads(mt.profile)["num_rows"] == 6
     # The served draft is a version of a registered model: MLflow's Models page lists it.
     (version,) = client.search_model_versions("name='eagle3-smollm2-135m-instruct'")
     assert version.run_id == first.run_id and version.source.endswith("/draft")

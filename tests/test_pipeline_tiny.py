@@ -193,6 +193,10 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(first_run):
     tags = {t.key: t.value for t in found.tags}
     assert tags["mlflow.data.context"] == "training" and tags["rows"] == str(int(m["prepare/rows"]))
     assert found.dataset.digest == result.results["prepare"].key[:36]
+    # ... with content: its rows' sizes as the schema and profile the UI's dataset drawer shows.
+    schema = json.loads(found.dataset.schema)["mlflow_colspec"]
+    assert [c["name"] for c in schema] == ["tokens", "supervised_tokens"]
+    assert json.loads(found.dataset.profile)["num_rows"] == int(m["prepare/rows"])
     # The UI opens the experiment in its model-training view, not the GenAI one.
     exp = client.get_experiment(run.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"

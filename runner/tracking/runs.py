@@ -488,7 +488,9 @@ class Tracker:
     def log_inputs(self, entries: list[Mapping[str, Any]]) -> None:
         """Datasets as MLflow run inputs (the run page's Datasets column): each entry's "name",
         "source" (a URL, a hub id, a local path, or another name such as package:sharegpt),
-        "digest", "context" (training, evaluation) and optional "rows"."""
+        "digest", "context" (training, evaluation), optional "rows", and optional "table" (a
+        list of row dicts: what the stage read, e.g. each prompt): with a table the input is a
+        pandas dataset (mlflow.data.from_pandas), so the UI shows its schema and profile."""
         import re
 
         from mlflow.data.code_dataset_source import CodeDatasetSource
@@ -507,11 +509,17 @@ class Tracker:
             else:
                 source = CodeDatasetSource({"source": where})
             tags = {"rows": str(e["rows"])} if e.get("rows") is not None else None
-            self.mlflow.log_input(
-                MetaDataset(source=source, name=str(e["name"]), digest=str(e["digest"])[:36]),
-                context=str(e["context"]),
-                tags=tags,
-            )
+            name, digest = str(e["name"]), str(e["digest"])[:36]
+            if e.get("table"):
+                import pandas as pd
+                from mlflow.data.pandas_dataset import from_pandas
+
+                dataset: Any = from_pandas(
+                    pd.DataFrame(list(e["table"])), source=source, name=name, digest=digest
+                )
+            else:
+                dataset = MetaDataset(source=source, name=name, digest=digest)
+            self.mlflow.log_input(dataset, context=str(e["context"]), tags=tags)
 
     def register_draft(
         self, name: str, folder: Path, description: str, tags: Mapping[str, str]

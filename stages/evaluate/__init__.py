@@ -452,7 +452,12 @@ def _choose_epoch(
 
 
 def inputs(metrics: Mapping[str, Any], cfg: RunnerConfig, path: Path) -> list[dict[str, Any]]:
-    """The prompt sets as MLflow run inputs (context evaluation), each with its prompts."""
+    """The prompt sets as MLflow run inputs (context evaluation), each with its prompts (the
+    text shown in the per-prompt table, its user turns and tokens) as the dataset's rows."""
+    try:
+        served = json.loads((path / "eval_table.json").read_text())
+    except (OSError, ValueError):
+        served = []
     found = []
     for i, (name, source) in enumerate(zip(set_names(cfg), prompt_sources(cfg), strict=True)):
         pre = "" if i == 0 else f"{name}/"
@@ -464,6 +469,11 @@ def inputs(metrics: Mapping[str, Any], cfg: RunnerConfig, path: Path) -> list[di
                     "digest": f"{path.name}-{name}",
                     "context": "evaluation",
                     "rows": metrics[f"{pre}prompts"],
+                    "table": [
+                        {k: r.get(k) for k in ("index", "prompt", "user_turns", "prompt_tokens")}
+                        for r in served
+                        if r.get("set") == name
+                    ],
                 }
             )
     return found

@@ -303,9 +303,11 @@ def _take(src: Source, tok: Any, kwargs: dict, bar: Any, pool: Pool | None) -> d
 
 def inputs(metrics: Mapping[str, Any], cfg: RunnerConfig, path: Path) -> list[dict[str, Any]]:
     """The training data as MLflow run inputs: each source by its hub id where it has one, the
-    rows it gave, and this artifact's key as the digest."""
+    rows it gave, and this artifact's key as the digest; with one source, its prepared rows
+    (tokens and supervised tokens of each) as the dataset's rows."""
     mix = sources(cfg.data)
     got = metrics.get("rows_from") or {}
+    table = _row_sizes(path) if len(mix) == 1 else []
     return [
         {
             "name": src.name,
@@ -314,8 +316,32 @@ def inputs(metrics: Mapping[str, Any], cfg: RunnerConfig, path: Path) -> list[di
             "digest": path.name,
             "context": "training",
             "rows": got.get(src.name, metrics.get("rows") if len(mix) == 1 else None),
+            "table": table,
         }
         for src in mix
+    ]
+
+
+def _row_sizes(path: Path) -> list[dict[str, int]]:
+    """Each prepared row's tokens and supervised (assistant) tokens, read from the artifact."""
+    import numpy as np
+    import pyarrow.compute as pc
+    from datasets import load_from_disk
+
+    try:
+        data = load_from_disk(str(path / "dataset")).data
+    except (OSError, ValueError, FileNotFoundError):
+        return []
+    tokens = data.column("seq_len").to_pylist()
+    mask = data.column("loss_mask")
+    supervised = np.bincount(
+        pc.list_parent_indices(mask).to_numpy(),
+        weights=pc.list_flatten(mask).to_numpy(),
+        minlength=len(tokens),
+    )
+    return [
+        {"tokens": int(t), "supervised_tokens": int(s)}
+        for t, s in zip(tokens, supervised, strict=True)
     ]
 
 
