@@ -290,6 +290,15 @@ def test_a_failed_stage_publishes_nothing(first_run, tiny_model_dir, chats_jsonl
         run_job(cfg)
     after = {p.name for p in (root / "store" / "train").iterdir()}
     assert after == before  # no new artifact and no temporary folder left behind
+    # The FAILED run still shows what the stages before training read: its dataset.
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    (failed,) = client.search_runs(
+        [client.get_experiment_by_name("eagle3").experiment_id], "attributes.status = 'FAILED'"
+    )
+    contexts = [t.value for i in failed.inputs.dataset_inputs for t in i.tags]
+    assert "training" in contexts
 
 
 def test_a_stage_outside_run_stages_must_be_in_the_store(

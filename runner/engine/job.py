@@ -251,9 +251,10 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         tracker.log_text(plan.render(), PLAN_FILE)  # the plan as printed, linked from the summary
         _STARTED.append(run_id)
         with _cpu_threads(cfg.hardware.cpu_threads):
-            results = {r.name: r for r in pipeline.run(planned)}
-        for r in results.values():
-            _log_outputs(tracker, cfg, r)
+            results = {
+                r.name: r
+                for r in pipeline.run(planned, done=lambda r: _log_outputs(tracker, cfg, r))
+            }
         _log_comparison(tracker, cfg, results)
         result = JobResult(
             plan=plan,

@@ -20,6 +20,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,8 +222,12 @@ class Pipeline:
                 )
         return None
 
-    def run(self, planned: list[PlannedStage]) -> list[StageResult]:
-        """Execute `planned` (from `plan()`, as printed): reuse or compute each stage in order."""
+    def run(
+        self, planned: list[PlannedStage], done: Callable[[StageResult], None] | None = None
+    ) -> list[StageResult]:
+        """Execute `planned` (from `plan()`, as printed): reuse or compute each stage in order;
+        `done(result)` after each one (its outputs are logged then, so that a run that fails
+        later still shows what the earlier stages read and wrote)."""
         why = self.missing(planned)
         if why:
             raise ConfigError("run.stages", why)
@@ -233,6 +238,8 @@ class Pipeline:
         for p in planned:
             try:
                 results.append(self._run_one(p, force, artifacts))
+                if done is not None:
+                    done(results[-1])
             except BaseException as exc:
                 stopped = as_interrupted(exc)
                 if stopped is None:
