@@ -11,6 +11,7 @@ import sys
 from omegaconf import OmegaConf
 
 from runner.core.schema import register
+from runner.engine.costs import use_stage_rates
 from runner.engine.stage import Stage
 from runner.integrations.hydra_plugins import expose
 from stages import REGISTRY
@@ -22,6 +23,7 @@ def compose_root() -> tuple[Stage, ...]:
     and the resolver a Slurm job's setup uses is registered. Idempotent; returns the registry.
     Nothing is registered by importing a module."""
     register(REGISTRY)
+    use_stage_rates(REGISTRY)  # each stage's rates.yaml joins the plan's table of rates
     expose()  # sweeps/ on Hydra's search path from any folder, editable installs included
     # The environment `python -m runner` runs in: a Slurm job's setup activates the same one
     # (conf/hydra/launcher/slurm.yaml).

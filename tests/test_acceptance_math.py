@@ -363,7 +363,8 @@ def test_the_sweep_figure_shows_each_jobs_interval_and_the_line_of_nothing_accep
         {"k": k, "acceptance_length": v, "acceptance_length_lo": lo, "acceptance_length_hi": hi}
         for k, v, lo, hi in ((3, 1.40, 1.31, 1.52), (5, 1.45, 1.30, 1.61))
     ]
-    fig = comparison_figure(rows, "acceptance_length", ("k", "eval.num_speculative_tokens", None))
+    axis = ("k", "eval.num_speculative_tokens", None)
+    fig = comparison_figure(rows, "acceptance_length", axis, (1.0, "1.0: nothing accepted"))
     ax = fig.axes[0]
     bars = [c for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
     (segments,) = [c.get_segments() for c in ax.collections]

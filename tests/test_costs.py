@@ -161,6 +161,6 @@ def test_choosing_the_epoch_costs_a_server_start_per_kept_epoch(tmp_path):
         )
     ).plan
     assert "1 server start(s)" in plain.render() and "4 server start(s)" in chosen.render()
-    start_s = 137  # the H200's row in runner/engine/rates.yaml
+    start_s = 137  # the H200's row in stages/evaluate/rates.yaml
     extra = (chosen.numbers["cost.evaluate.hours"] - plain.numbers["cost.evaluate.hours"]) * 3600
     assert extra == pytest.approx(3 * start_s)

@@ -332,7 +332,7 @@ class HardwareConfig:
     # Memory of one GPU, for the weights-per-GPU check (null = not checked).
     gpu_memory_gib: float | None = None
     # The GPU model ("H200", "RTX PRO 6000"), for the plan's time and GPU-hour estimates from
-    # measured rates (runner/engine/rates.yaml); null = no estimates.
+    # measured rates (each stage's stages/<stage>/rates.yaml); null = no estimates.
     gpu_kind: str | None = None
     # The GPU's compute capability ("12.0"), for the serving settings' checks; null = known from
     # gpu_kind (runner/serving/settings.py) or not checked.

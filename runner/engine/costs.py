@@ -6,8 +6,9 @@
 A stage that runs on GPUs estimates its own wall time and GPU-hours in its plan hook (extract,
 train, evaluate do) from, first match wins: this store's latest finished artifact of that stage
 made on the same hardware (`measured`: manifests record the hardware), a planned figure the
-config gives, then the shipped table runner/engine/rates.yaml (rows measured on an H200, estimates
-marked as such), scaled to another GPU kind by its `gpu_speed` factor. Every line says where its
+config gives, then the stage's shipped rates (stages/<stage>/rates.yaml: rows measured on an
+H200, estimates marked as such), scaled to another GPU kind by runner/engine/rates.yaml's
+`gpu_speed` factor. Every line says where its
 rate came from, and "estimate" wherever a figure is not a measurement of this configuration.
 The preflight adds the total and what one more box would change (`total_lines`).
 
@@ -26,13 +27,46 @@ from typing import Any
 from runner.core.schema import RunnerConfig
 
 RATES = Path(__file__).with_name("rates.yaml")
+# Each stage's own rates (Stage.rates: stages/<stage>/rates.yaml), by stage name, as the
+# registry gives them (use_stage_rates).
+_STAGE_RATES: dict[str, Path] = {}
+
+
+def use_stage_rates(stages: Any) -> None:
+    """Merge the registry's stages' rates files into the table (the composition root and each
+    job call it with the stages they run)."""
+    found = {s.name: Path(s.rates) for s in stages if getattr(s, "rates", None) is not None}
+    if found != _STAGE_RATES:
+        _STAGE_RATES.clear()
+        _STAGE_RATES.update(found)
+        _merged.cache_clear()
 
 
 @functools.cache
-def table() -> dict[str, Any]:
+def _load(path: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(RATES))  # type: ignore[return-value]
+    return OmegaConf.to_container(OmegaConf.load(path))  # type: ignore[return-value]
+
+
+def table() -> dict[str, Any]:
+    """rates.yaml with each registered stage's own rates: its `cpu` row under `cpu.<stage>`, its
+    `gpu` rows as the section `<stage>`, any other section of its file as it is."""
+    return _merged(tuple(sorted(_STAGE_RATES.items())))
+
+
+@functools.cache
+def _merged(stage_files: tuple[tuple[str, Path], ...]) -> dict[str, Any]:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in _load(RATES).items()}
+    out["cpu"] = dict(out.get("cpu") or {})
+    for name, path in stage_files:
+        own = _load(path)
+        if "cpu" in own:
+            out["cpu"][name] = own["cpu"]
+        if "gpu" in own:
+            out[name] = own["gpu"]
+        out.update({k: v for k, v in own.items() if k not in ("cpu", "gpu")})
+    return out
 
 
 def rows(section: str) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ draft's forward and backward and Muon's Newton-Schulz products (training), the t
 differs 100-fold between CPU classes, so the plan measures it instead of assuming it: three
 products at the run's own shapes, on the threads torch will use, each timed for a quarter of a
 second. Each stage turns them into seconds with its efficiency against the probe, measured on
-the default pipeline and kept in rates.yaml's `cpu` section (`cpu_rate`).
+the default pipeline and kept in each stage's rates.yaml (`cpu_rate`).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from runner.core.store import ArtifactStore, writable_root
 from runner.engine.budget import cpu_lines, explicit_keys, fit_budget
 from runner.engine.checks import check_config, check_target
 from runner.engine.console import counted, library_note, quiet_libraries
+from runner.engine.costs import use_stage_rates
 from runner.engine.pipeline import Pipeline, StageResult
 from runner.engine.preflight import build_plan
 from runner.engine.stage import Plan, Stage, check_registry
@@ -53,6 +54,7 @@ from runner.integrations.versions import TRACKED, versions
 from runner.processes.cluster import is_follower
 from runner.tracking.job_tags import (
     COLUMNS_TAG,
+    FLOORS_TAG,
     OBJECTIVE_TAG,
     PLOTTED_TAG,
     RESULTS_FILE,
@@ -179,6 +181,7 @@ def _output_root(node: DictConfig | RunnerConfig) -> Path:
 
 def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobResult:
     t_start = time.time()
+    use_stage_rates(stages)
     try:  # before the job has a run of its own: a failure is recorded for a sweep's parent
         cfg = typed(node, schema_for(stages))
         # Everything knowable from the config alone, before anything loads.
@@ -435,6 +438,7 @@ def _log_comparison(tracker: Tracker, cfg: RunnerConfig, results: dict[str, Stag
     metrics = tracker.metrics()
     row: dict[str, float | None] = {}
     plotted: list[str] = []
+    floors: dict[str, list[Any]] = {}
     objective: str | None = None
     series: list[str] = []
     found: list[dict[str, Any]] = []
@@ -454,6 +458,8 @@ def _log_comparison(tracker: Tracker, cfg: RunnerConfig, results: dict[str, Stag
             plotted.insert(0, stage.plotted)  # the objective's column first: it ranks the jobs
         elif stage.plotted:
             plotted.append(stage.plotted)
+        if stage.plotted and stage.plotted_floor:
+            floors[stage.plotted] = list(stage.plotted_floor)
         series += [s for s in stage.series if s not in series]
         if stage.results is not None:
             found += [{"stage": r.name, **x} for x in stage.results(r.metrics, cfg)]
@@ -464,6 +470,7 @@ def _log_comparison(tracker: Tracker, cfg: RunnerConfig, results: dict[str, Stag
             OBJECTIVE_TAG: objective or "",
             PLOTTED_TAG: json.dumps(plotted),
             SERIES_TAG: json.dumps(series),
+            FLOORS_TAG: json.dumps(floors),
         }
     )
     tracker.log_text(json.dumps(found, indent=1), RESULTS_FILE)

@@ -235,6 +235,9 @@ class Stage:
     # (cfg, seconds, estimate) -> (cfg with this stage's own work lowered until estimate(cfg)
     # is at most `seconds`, the plan's line saying what changed or None): run.time_budget gives
     # a stage whose cost the rows do not set (the evaluation's prompts) a share of the budget.
+    # This stage's measured rates (a YAML file beside it: `cpu`, its row for CPU estimates;
+    # `gpu`, its rows by GPU kind and target), merged into runner/engine/rates.yaml's table.
+    rates: Path | None = None
     cpu_fit: (
         Callable[
             [RunnerConfig, float, Callable[[RunnerConfig], float]], tuple[RunnerConfig, str | None]
@@ -253,6 +256,9 @@ class Stage:
     # The column of `columns` that ranks and plots a sweep's jobs (higher is better when it is
     # the objective's; the first stage in reverse pipeline order that has one is used).
     plotted: str | None = None
+    # (value, label): the plotted column's value of a draft that does nothing (evaluate: 1.0,
+    # nothing accepted), a line on the sweep's figure.
+    plotted_floor: tuple[float, str] | None = None
     # Settings that make a sweep plot's series rather than its x axis (e.g. the vocab size).
     series: tuple[str, ...] = ()
     # A metric of this stage that `python -m runner` returns to Hydra sweepers to optimise.

@@ -6,6 +6,8 @@ read them).
 - `comparison.objective`: the column of the stage that declares the run's objective;
 - `comparison.plotted`: the columns a comparison plots, the objective's first;
 - `comparison.series`: settings that make a plot's series rather than its x axis;
+- `comparison.floors`: {column: [value, label]}, a plotted column's value of a draft that does
+  nothing, drawn as a line on the sweep's figure;
 - `results.json` (an artifact): the stages' `Stage.results` rows (e.g. acceptance per set).
 """
 
@@ -13,4 +15,5 @@ COLUMNS_TAG = "comparison.columns"
 OBJECTIVE_TAG = "comparison.objective"
 PLOTTED_TAG = "comparison.plotted"
 SERIES_TAG = "comparison.series"
+FLOORS_TAG = "comparison.floors"
 RESULTS_FILE = "results.json"

@@ -41,7 +41,13 @@ from runner.core.errors import ConfigError
 from runner.core.interrupts import between_jobs, command_as_typed, held_back
 from runner.core.store import writable_root
 from runner.serving import shared_servers
-from runner.tracking.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, PLOTTED_TAG, SERIES_TAG
+from runner.tracking.job_tags import (
+    COLUMNS_TAG,
+    FLOORS_TAG,
+    OBJECTIVE_TAG,
+    PLOTTED_TAG,
+    SERIES_TAG,
+)
 from runner.tracking.recipes import BEST, NOISE, mark_noise, recipes
 from runner.tracking.runs import Tracker, check_store, process_tags, tracking_uri, ui_command
 
@@ -279,9 +285,15 @@ class SweepCallback(Callback):
         client = mlflow.MlflowClient(uri)
         rows = comparison_rows(client, parent)
         failed = [r["run_id"] for r in rows if r["status"] != "FINISHED"]
-        declared_ = declared(children_tags(client, parent))
+        tags = children_tags(client, parent)
+        declared_ = declared(tags)
         log_comparison(
-            client, parent, rows, swept_keys(client.get_run(parent).data.tags), declared_
+            client,
+            parent,
+            rows,
+            swept_keys(client.get_run(parent).data.tags),
+            declared_,
+            floors=declared_floors(tags),
         )
         print(render_table(rows))
         by_recipe = recipes(rows, swept_keys(client.get_run(parent).data.tags), declared_[0])
@@ -364,6 +376,15 @@ def declared(rows_tags: list[dict[str, str]]) -> tuple[str | None, list[str], li
         plotted += [x for x in json.loads(t.get(PLOTTED_TAG, "[]")) if x not in plotted]
         series += [x for x in json.loads(t.get(SERIES_TAG, "[]")) if x not in series]
     return objective, plotted, series
+
+
+def declared_floors(rows_tags: list[dict[str, str]]) -> dict[str, list[Any]]:
+    """{column: [value, label]}: each plotted column's line of a draft that does nothing, as the
+    jobs' stages declared it (tag `comparison.floors`)."""
+    out: dict[str, list[Any]] = {}
+    for t in rows_tags:
+        out.update(json.loads(t.get(FLOORS_TAG, "{}")))
+    return out
 
 
 def swept_keys(parent_tags: dict[str, str]) -> list[str]:
@@ -514,6 +535,7 @@ def log_comparison(
     rows: list[dict[str, Any]],
     swept: list[str] | None = None,
     declared: tuple[str | None, list[str], list[str]] = (None, [], []),
+    floors: dict[str, list[Any]] | None = None,
 ) -> None:
     objective, plotted, series = declared
     metric = next((c for c in plotted if any(r.get(c) is not None for r in rows)), None)
@@ -531,7 +553,14 @@ def log_comparison(
                 w.writeheader()
                 w.writerows(rows)
             if metric is not None:
-                _plot(rows, d / "comparison.png", metric, _x_axis(rows, swept or [], series))
+                floor = (floors or {}).get(metric)
+                _plot(
+                    rows,
+                    d / "comparison.png",
+                    metric,
+                    _x_axis(rows, swept or [], series),
+                    tuple(floor) if floor else None,
+                )
         client.log_artifacts(parent_id, str(d))
     best = [r for r in rows if objective and r.get(objective) is not None]
     top = max(best, key=lambda r: r[objective]) if best else None
@@ -607,21 +636,29 @@ def _x_axis(
 
 
 def _plot(
-    rows: list[dict[str, Any]], path: Path, metric: str, axis: tuple[str, str, str | None]
+    rows: list[dict[str, Any]],
+    path: Path,
+    metric: str,
+    axis: tuple[str, str, str | None],
+    floor: tuple[float, str] | None = None,
 ) -> None:
     import matplotlib.pyplot as plt
 
-    fig = comparison_figure(rows, metric, axis)
+    fig = comparison_figure(rows, metric, axis, floor)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def comparison_figure(
-    rows: list[dict[str, Any]], metric: str, axis: tuple[str, str, str | None]
+    rows: list[dict[str, Any]],
+    metric: str,
+    axis: tuple[str, str, str | None],
+    floor: tuple[float, str] | None = None,
 ) -> Any:
     """`metric` against the swept value `axis` = (key, label, series key), one line per series,
     on a y axis from zero, each point with its interval (`<metric>_lo` / `_hi`, where the rows
-    have them) and, for the acceptance length, the 1.0 line of a draft never accepted."""
+    have them) and `floor` (value, label), the metric of a draft that does nothing, as a line
+    (the stage declares it: Stage.plotted_floor)."""
     import matplotlib  # a second to import; only the end of a sweep plots
 
     matplotlib.use("Agg")
@@ -650,9 +687,8 @@ def comparison_figure(
             ax.errorbar(x, y, yerr=err, marker="o", capsize=4, label=label + " (95% interval)")
         else:
             ax.plot(x, y, marker="o", label=label)
-    if metric.startswith("acceptance_length"):
-        # 1.0: the target alone (a draft that is never accepted).
-        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="1.0: nothing accepted")
+    if floor is not None:
+        ax.axhline(floor[0], color="grey", linestyle="--", linewidth=1, label=floor[1])
     ax.set_xticks(range(len(xs)))
     ax.set_xticklabels(xs, rotation=15, fontsize=8)
     ax.set_xlabel(x_label)

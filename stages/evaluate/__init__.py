@@ -547,7 +547,8 @@ def cpu_seconds(cfg: RunnerConfig, work: Any) -> float:
     the draft-served server (its prompts prefilled, its tokens decoded), the target alone
     reading each served output in one prefill (eval.identity=prefill) or generating it again,
     the baselines as the draft. Prefill and decode run at the efficiencies against the probe
-    measured on the default (rates.yaml cpu.evaluate), prompts at their sets' measured lengths."""
+    measured on the default (this stage's rates.yaml, `cpu`), prompts at their sets' measured
+    lengths."""
     from runner.engine.cpu_speed import cpu_rate
 
     r, e = cpu_rate("evaluate"), cfg.eval
@@ -799,6 +800,7 @@ def _gate(metrics: Mapping[str, Any], cfg: RunnerConfig) -> tuple[list[str], lis
 
 STAGE = Stage(
     name="evaluate",
+    rates=Path(__file__).with_name("rates.yaml"),
     key_config=key_config,
     run=run,
     upstream=("train",),
@@ -826,6 +828,7 @@ STAGE = Stage(
     reads=_reads,
     objective="acceptance_length",
     plotted="acceptance_length",
+    plotted_floor=(1.0, "1.0: nothing accepted"),
     results=results,
     plan=plan,
     check_target=check_target,

@@ -391,6 +391,7 @@ def cpu_seconds(cfg: RunnerConfig, work: Any) -> float:
 
 STAGE = Stage(
     name="extract",
+    rates=Path(__file__).with_name("rates.yaml"),
     settings=ExtractConfig,
     key_config=key_config,
     run=run,

@@ -745,6 +745,7 @@ def cpu_seconds(cfg: RunnerConfig, work: Any) -> float:
 
 STAGE = Stage(
     name="prepare",
+    rates=Path(__file__).with_name("rates.yaml"),
     key_config=key_config,
     run=run,
     upstream=("regenerate",),  # only when regenerate is on

@@ -345,6 +345,7 @@ def columns(metrics: Mapping[str, float]) -> dict[str, float | None]:
 
 STAGE = Stage(
     name="train",
+    rates=Path(__file__).with_name("rates.yaml"),
     settings=TrainConfig,
     key_config=key_config,
     run=run,
