@@ -202,7 +202,12 @@ def test_mlflow_run_holds_everything(runs):
     assert "prompt" in columns and json.loads(mt.profile)["num_rows"] == 6
     # The served draft is a version of a registered model: MLflow's Models page lists it.
     (version,) = client.search_model_versions("name='eagle3-smollm2-135m-instruct'")
-    assert version.run_id == first.run_id and version.source.endswith("/draft")
+    assert version.run_id == first.run_id and version.source.startswith("models:/")
+    # ... from a logged model of the run (the experiment's Models tab), holding the draft's files.
+    (model,) = client.search_logged_models(experiment_ids=[run.info.experiment_id])
+    assert model.source_run_id == first.run_id and model.status == "READY"
+    files = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
+    assert {"config.json", "model.safetensors"} <= files
     reused = client.get_run(second.run_id).data.params
     ours = {k: v for k, v in run.data.params.items() if k.startswith("speculators.")}
     assert ours and ours == {k: v for k, v in reused.items() if k.startswith("speculators.")}

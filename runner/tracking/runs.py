@@ -524,23 +524,37 @@ class Tracker:
     def register_draft(
         self, name: str, folder: Path, description: str, tags: Mapping[str, str]
     ) -> str:
-        """The served draft as a version of registered model `name` (created if new), its
-        source the draft's folder, linked to this run: MLflow's Models page lists it. Returns
-        the version."""
+        """The served draft as an MLflow logged model of this run (its files in the store, so
+        the experiment's Models tab lists it and a copied root carries it), registered as a
+        version of `name` from the model's own `models:/` address. Drafts with the same weights
+        (a sweep over evaluation settings) are one version: the existing one is returned."""
+        import hashlib
+
         client = self.mlflow.MlflowClient(self.uri)
+        digest = hashlib.sha256()
+        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+            digest.update(f.relative_to(folder).as_posix().encode())
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+        weights = digest.hexdigest()
         try:
             client.get_registered_model(name)
         except Exception:  # MLflow raises RESOURCE_DOES_NOT_EXIST for a new name
             client.create_registered_model(
                 name, description="EAGLE-3 drafts trained by eagle3-runner"
             )
-        version = client.create_model_version(
-            name,
-            source=str(folder),
-            run_id=self.run_id,
-            description=description[:5000],
-            tags={k: str(v)[:5000] for k, v in tags.items()},
+        same = client.search_model_versions(f"name='{name}' and tags.weights_sha256='{weights}'")
+        if same:
+            return str(same[0].version)
+        tags = {k: str(v)[:5000] for k, v in {**tags, "weights_sha256": weights}.items()}
+        model = client.create_logged_model(
+            experiment_id=self.experiment_id, name="draft", source_run_id=self.run_id, tags=tags
         )
+        client.log_model_artifacts(model.model_id, str(folder))
+        client.finalize_logged_model(model.model_id, "READY")
+        version = self.mlflow.register_model(f"models:/{model.model_id}", name, tags=tags)
+        client.update_model_version(name, version.version, description=description[:5000])
         return str(version.version)
 
     def set_description(self, text: str) -> None:
