@@ -563,7 +563,9 @@ def publish(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="eagle3-runner publish", description=__doc__.splitlines()[0])
+    # The docstring's first sentence (up to the colon before its usage line), as a sentence.
+    about = __doc__.split("\n\n")[0].split(":\n")[0].rstrip(":. ") + "."
+    ap = argparse.ArgumentParser(prog="eagle3-runner publish", description=about)
     ap.add_argument("out", help="the folder to write (must not exist, or be empty)")
     ap.add_argument("--run", help="MLflow run id (default: the newest run that trained a draft)")
     ap.add_argument("--repo-id", help="hub repository id, used in the card's serve command")
@@ -581,9 +583,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="publish a draft whose evaluation failed a gate set to warn (eval.gates=warn)",
     )
-    ap.add_argument("--tracking-uri")
-    ap.add_argument("--output-root", default=default_root())
-    ap.add_argument("--experiment", default="eagle3")
+    ap.add_argument(
+        "--tracking-uri",
+        help="the MLflow store (default: $MLFLOW_TRACKING_URI, else the output root's mlflow.db)",
+    )
+    ap.add_argument(
+        "--output-root",
+        default=default_root(),
+        help="the runs' output root (default: $EAGLE3_RUNNER_HOME, else ./outputs)",
+    )
+    ap.add_argument("--experiment", default="eagle3", help="the MLflow experiment (eagle3)")
     args = ap.parse_args(argv)
     if args.push and not args.repo_id:
         ap.error("--push needs --repo-id")

@@ -26,12 +26,21 @@ from runner.tracking.sweep import TABLE_WIDTH, comparison_rows, render_table, ru
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="eagle3-runner report", description=__doc__.splitlines()[0])
+    # The docstring's first sentence (up to the colon before its usage line), as a sentence.
+    about = __doc__.split("\n\n")[0].split(":\n")[0].rstrip(":. ") + "."
+    ap = argparse.ArgumentParser(prog="eagle3-runner report", description=about)
     ap.add_argument("parent", nargs="?", help="a run or sweep parent id (default: the newest)")
     ap.add_argument("--run", dest="run_id", help="the same as RUN_ID (publish's name for it)")
-    ap.add_argument("--tracking-uri")
-    ap.add_argument("--output-root", default=default_root())
-    ap.add_argument("--experiment", default="eagle3")
+    ap.add_argument(
+        "--tracking-uri",
+        help="the MLflow store (default: $MLFLOW_TRACKING_URI, else the output root's mlflow.db)",
+    )
+    ap.add_argument(
+        "--output-root",
+        default=default_root(),
+        help="the runs' output root (default: $EAGLE3_RUNNER_HOME, else ./outputs)",
+    )
+    ap.add_argument("--experiment", default="eagle3", help="the MLflow experiment (eagle3)")
     form = ap.add_mutually_exclusive_group()
     form.add_argument("--wide", action="store_true", help="every column, however wide")
     form.add_argument("--csv", action="store_true", help="the rows as CSV, every column")
