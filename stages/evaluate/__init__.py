@@ -157,40 +157,16 @@ def _reads(cfg: RunnerConfig) -> tuple[str, ...]:
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
+    """Serve the draft on every prompt set; then, as configured, the target alone (identity and
+    speed), a baseline draft and a random one; write the tables and the summary."""
     cfg = ctx.cfg
     e = cfg.eval
     sets = prompt_sets(ctx)
     first = next(iter(sets))  # the run's own figures (and objective); the others by name
     train_art = ctx.inputs.get("train")  # None for a draft trained elsewhere (eval.draft)
-    if train_art is None:
-        draft = Path(e.draft or "").expanduser().resolve()
-    else:
-        chosen = "draft"
-        if choosing_epoch(cfg) and train_art.manifest.get("epoch_drafts"):
-            chosen, _ = _choose_epoch(ctx, train_art, first, sets[first], ctx.scratch / "logs")
-        draft = train_art.path / chosen
-        # A draft is served only if every byte is what training published (hashed in full: it
-        # is small next to the target, and a bit flip would be served silently).
-        wrong = damage(train_art, full=True, under=f"{chosen}/")
-        if wrong is not None:
-            raise StageError(
-                f"the draft in {train_art.path} is damaged ({wrong}); refusing to serve it. Run "
-                "with run.force=[train] to train it again, or delete that folder"
-            )
-    work = ctx.scratch
-    logs = work / "logs"  # copied into the artifact at the end; kept in scratch if the stage fails
-    ctx.manifest["served"] = {
-        "target": ctx.facts.path,
-        "draft": str(draft),
-        # What a user pastes to serve it as measured (publish rewrites the draft's path).
-        "serve_command": shell_command(cfg, ctx.facts.path, server_args(cfg, draft)),
-        # The settings that decide acceptance (attention kernels, KV cache dtype, ...), and
-        # the engine that served them.
-        "serving": cfg.hardware.vllm.serving(),
-        "vllm": versions({"vllm": VLLM_DISTS})["vllm"],
-    }
-    (ctx.out / "served.json").write_text(json.dumps(ctx.manifest["served"], indent=2))
-    ctx.manifest["prompt_sets"] = {name: len(p) for name, p in sets.items()}
+    draft = _draft_to_serve(ctx, train_art, first, sets[first])
+    logs = ctx.scratch / "logs"  # copied into the artifact at the end; kept if the stage fails
+    _record_serving(ctx, draft, sets)
     existing = cfg.hardware.vllm.endpoint is not None
     comparing = e.compare_target and not existing
     repeats = speed_repeats(cfg) if comparing else 0
@@ -208,20 +184,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         metrics["chosen_epoch"] = ctx.manifest["chosen_epoch"]["epoch"]
     if repeats:
         metrics["speed_servers_together"] = int(comparing and paired)
-    for name, result in spec.items():
-        # The first set's figures are the run's own; another set's carry its name as a prefix.
-        pre = "" if name == first else f"{name}/"
-        measured = acceptance(result["counters"])
-        if name != first:
-            keep = ("acceptance_length", "draft_acceptance_rate")
-            measured = {k: v for k, v in measured.items() if k in keep or "_pos_" in k}
-        metrics.update({f"{pre}{k}": v for k, v in measured.items()})
-        metrics.update({f"{pre}{k}": v for k, v in prompt_interval(result["per_prompt"]).items()})
-        metrics[f"{pre}prompts"] = len(sets[name])
-        if name == HELDOUT:
-            metrics[f"{pre}multi_turn_prompts"] = sum(user_turns(q) > 1 for q in sets[name])
-        metrics[f"{pre}generated_tokens"] = sum(len(t) for t in result["token_ids"])
-        metrics[f"{pre}spec_tokens_per_s"] = tokens_per_s(result)
+    metrics.update(_acceptance_metrics(spec, sets, first))
     identical: dict[str, list[bool | None]] = {n: [None] * len(p) for n, p in sets.items()}
     differs: dict[str, list[dict[str, Any] | None]] = {n: [None] * len(p) for n, p in sets.items()}
     # A server that already runs (hardware.vllm.endpoint) serves one configuration, the draft's:
@@ -229,20 +192,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if existing:
         ctx.manifest["served_by"] = cfg.hardware.vllm.endpoint
     if comparing:
-        if not target and e.identity == "prefill":
-            _, target = serve_reading(cfg, ctx.facts, spec, sets, logs, speed_repeats=repeats)
-        elif not target:
-            _, target = serve_sets(
-                cfg,
-                ctx.facts,
-                None,
-                sets,
-                "target",
-                logs,
-                likeliest=True,
-                speed_repeats=repeats,
-                served={name: result["token_ids"] for name, result in spec.items()},
-            )
+        target = target or _target_alone(ctx, spec, sets, logs, repeats)
         for name, result in target.items():
             pre = "" if name == first else f"{name}/"
             rows = zip(
@@ -257,90 +207,223 @@ def run(ctx: StageContext) -> dict[str, Any]:
             if result.get("read_by") != "prefill":  # a reading generates nothing
                 metrics[f"{pre}target_tokens_per_s"] = tokens_per_s(result)
         if repeats:
-            speeds = {"draft": spec[first]["speed"], "target": target[first]["speed"]}
-            (ctx.out / "speed.json").write_text(json.dumps(speeds, indent=1))  # every repeat
-            metrics.update(speed_metrics(speeds["draft"], speeds["target"]))
-            if "check" in speeds["draft"]:
-                check = speed_metrics(speeds["draft"]["check"], speeds["target"]["check"])
-                kinds = ("c1", "batch")
-                metrics.update(
-                    agreement(
-                        {k: metrics[f"speedup_{k}"] for k in kinds},
-                        {k: check[f"speedup_{k}"] for k in kinds},
-                        paired_noise(speeds),
-                    )
-                )
-            for server, speed in speeds.items():
-                if speed.get("compile_cache"):
-                    metrics[f"{server}_compile_cold"] = int(speed["compile_cache"] == "cold")
-            metrics["speed_repeats"] = repeats
-            metrics["speed_batch"] = len(sets[first])
-            levels = by_concurrency(metrics, list(e.concurrency))
-            if levels:
-                metrics.update(crossover(levels))
-                (ctx.out / "concurrency.json").write_text(json.dumps(levels, indent=1))
-                # One series per figure with the level as its step: MLflow draws each as one
-                # chart of gain (or tokens/s) against concurrency.
-                with open(ctx.out / CURVES, "a") as fh:  # after the epochs' curves, if any
-                    fh.write(
-                        "".join(
-                            json.dumps(
-                                {
-                                    "step": r["concurrency"],
-                                    **{f"evaluate/{k}_by_concurrency": r[k] for k in CURVED},
-                                }
-                            )
-                            + "\n"
-                            for r in levels
-                        )
-                    )
+            metrics.update(_speed_figures(ctx, spec, target, sets, first, repeats))
         differs = _again(cfg, ctx.facts, draft, sets, differs, target, logs)
         metrics.update(identity_counts(differs))
         report_mismatches(differs)
     if e.baseline_draft and not existing:
-        theirs = baseline.fetch(cfg)
-        _, base = serve_sets(cfg, ctx.facts, theirs, sets, "baseline", logs, speed_repeats=repeats)
-        ctx.manifest["baseline"] = {"draft": str(theirs), "given": e.baseline_draft}
-        rows = baseline.compare(
-            {n: spec[n]["per_prompt"] for n in sets}, {n: base[n]["per_prompt"] for n in sets}
-        )
-        for name, result in base.items():
-            pre = "" if name == first else f"{name}/"
-            measured = acceptance(result["counters"])
-            keep = ("acceptance_length", "draft_acceptance_rate")
-            measured = {k: v for k, v in measured.items() if k in keep or "_pos_" in k}
-            measured.update(prompt_interval(result["per_prompt"]))
-            metrics.update({f"baseline/{pre}{k}": v for k, v in measured.items()})
-        verdicts = {baseline.BETTER: 1, baseline.SAME: 0, baseline.WORSE: -1}
-        for row in rows:
-            pre = "" if row["set"] == first else f"{row['set']}/"
-            for k in ("difference", "difference_ci_low", "difference_ci_high"):
-                metrics[f"vs_baseline/{pre}{k}"] = row[k]
-            metrics[f"vs_baseline/{pre}verdict"] = verdicts[row["verdict"]]
-        if repeats and target:
-            # Timed after the run's own draft and the target: against the target's timings.
-            speed = speed_metrics(base[first]["speed"], target[first]["speed"])
-            metrics.update({f"baseline/{k}": v for k, v in speed.items()})
-            levels = by_concurrency(speed, list(e.concurrency))
-            if levels and (ctx.out / "concurrency.json").is_file():
-                ours = json.loads((ctx.out / "concurrency.json").read_text())
-                theirs_by = {r["concurrency"]: r for r in levels}
-                for r in ours:
-                    if r["concurrency"] in theirs_by:
-                        b = theirs_by[r["concurrency"]]
-                        r["baseline_gain"] = b["gain"]
-                        r["baseline_tok_s_per_stream"] = b["draft_tok_s_per_stream"]
-                (ctx.out / "concurrency.json").write_text(json.dumps(ours, indent=1))
-        (ctx.out / "baseline.json").write_text(json.dumps(rows, indent=1))
+        metrics.update(_against_baseline(ctx, spec, target, sets, first, logs, repeats))
     if e.random_baseline and not existing and train_art is not None:
         # On the first set only: a floor, not a figure to compare across sets.
-        rand = random_draft(train_art.manifest, work / "random_draft")
+        rand = random_draft(train_art.manifest, ctx.scratch / "random_draft")
         _, rnd = serve_sets(cfg, ctx.facts, rand, {first: sets[first]}, "random_draft", logs)
         for k, v in acceptance(rnd[first]["counters"]).items():
             metrics[f"random_{k}"] = v
     if train_art is not None:
         train_metrics = train_art.manifest.get("metrics", {})
         metrics.update(teacher_forced(train_metrics, e.num_speculative_tokens))
+    _write_tables(ctx, sets, spec, identical, differs)
+    if logs.is_dir():  # none with an existing server: its log is on its machine
+        shutil.copytree(logs, ctx.out / "logs")
+    metrics.update(_kv_capacity(ctx.out / "logs"))
+    (ctx.out / "summary.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def _draft_to_serve(
+    ctx: StageContext, train_art: Any, first: str, first_prompts: list[Any]
+) -> Path:
+    """The draft this evaluation serves: eval.draft, or the trained one (the epoch chosen by
+    serving, when asked), hashed in full first: a bit flip would be served silently."""
+    if train_art is None:
+        return Path(ctx.cfg.eval.draft or "").expanduser().resolve()
+    chosen = "draft"
+    if choosing_epoch(ctx.cfg) and train_art.manifest.get("epoch_drafts"):
+        chosen, _ = _choose_epoch(ctx, train_art, first, first_prompts, ctx.scratch / "logs")
+    wrong = damage(train_art, full=True, under=f"{chosen}/")
+    if wrong is not None:
+        raise StageError(
+            f"the draft in {train_art.path} is damaged ({wrong}); refusing to serve it. Run "
+            "with run.force=[train] to train it again, or delete that folder"
+        )
+    return train_art.path / chosen
+
+
+def _record_serving(ctx: StageContext, draft: Path, sets: dict[str, list[Any]]) -> None:
+    """served.json and the manifest: what was served, how, and by which engine."""
+    cfg = ctx.cfg
+    ctx.manifest["served"] = {
+        "target": ctx.facts.path,
+        "draft": str(draft),
+        # What a user pastes to serve it as measured (publish rewrites the draft's path).
+        "serve_command": shell_command(cfg, ctx.facts.path, server_args(cfg, draft)),
+        # The settings that decide acceptance (attention kernels, KV cache dtype, ...), and
+        # the engine that served them.
+        "serving": cfg.hardware.vllm.serving(),
+        "vllm": versions({"vllm": VLLM_DISTS})["vllm"],
+    }
+    (ctx.out / "served.json").write_text(json.dumps(ctx.manifest["served"], indent=2))
+    ctx.manifest["prompt_sets"] = {name: len(p) for name, p in sets.items()}
+
+
+def _acceptance_metrics(
+    spec: dict[str, dict], sets: dict[str, list[Any]], first: str
+) -> dict[str, Any]:
+    """Each set's acceptance, interval and counts; the first set's are the run's own, another
+    set's carry its name as a prefix."""
+    metrics: dict[str, Any] = {}
+    for name, result in spec.items():
+        pre = "" if name == first else f"{name}/"
+        measured = acceptance(result["counters"])
+        if name != first:
+            keep = ("acceptance_length", "draft_acceptance_rate")
+            measured = {k: v for k, v in measured.items() if k in keep or "_pos_" in k}
+        metrics.update({f"{pre}{k}": v for k, v in measured.items()})
+        metrics.update({f"{pre}{k}": v for k, v in prompt_interval(result["per_prompt"]).items()})
+        metrics[f"{pre}prompts"] = len(sets[name])
+        if name == HELDOUT:
+            metrics[f"{pre}multi_turn_prompts"] = sum(user_turns(q) > 1 for q in sets[name])
+        metrics[f"{pre}generated_tokens"] = sum(len(t) for t in result["token_ids"])
+        metrics[f"{pre}spec_tokens_per_s"] = tokens_per_s(result)
+    return metrics
+
+
+def _target_alone(
+    ctx: StageContext,
+    spec: dict[str, dict],
+    sets: dict[str, list[Any]],
+    logs: Path,
+    repeats: int,
+) -> dict[str, dict]:
+    """The target alone on the served outputs: read in one prefill each (eval.identity=prefill)
+    or generated again, with its speed passes when timed."""
+    cfg = ctx.cfg
+    if cfg.eval.identity == "prefill":
+        _, target = serve_reading(cfg, ctx.facts, spec, sets, logs, speed_repeats=repeats)
+        return target
+    _, target = serve_sets(
+        cfg,
+        ctx.facts,
+        None,
+        sets,
+        "target",
+        logs,
+        likeliest=True,
+        speed_repeats=repeats,
+        served={name: result["token_ids"] for name, result in spec.items()},
+    )
+    return target
+
+
+def _speed_figures(
+    ctx: StageContext,
+    spec: dict[str, dict],
+    target: dict[str, dict],
+    sets: dict[str, list[Any]],
+    first: str,
+    repeats: int,
+) -> dict[str, Any]:
+    """The speed-up from the timed passes (speed.json keeps every repeat), the independent
+    client's agreement, and the gain by concurrency (concurrency.json and its curves)."""
+    metrics: dict[str, Any] = {}
+    speeds = {"draft": spec[first]["speed"], "target": target[first]["speed"]}
+    (ctx.out / "speed.json").write_text(json.dumps(speeds, indent=1))  # every repeat
+    metrics.update(speed_metrics(speeds["draft"], speeds["target"]))
+    if "check" in speeds["draft"]:
+        check = speed_metrics(speeds["draft"]["check"], speeds["target"]["check"])
+        kinds = ("c1", "batch")
+        metrics.update(
+            agreement(
+                {k: metrics[f"speedup_{k}"] for k in kinds},
+                {k: check[f"speedup_{k}"] for k in kinds},
+                paired_noise(speeds),
+            )
+        )
+    for server, speed in speeds.items():
+        if speed.get("compile_cache"):
+            metrics[f"{server}_compile_cold"] = int(speed["compile_cache"] == "cold")
+    metrics["speed_repeats"] = repeats
+    metrics["speed_batch"] = len(sets[first])
+    levels = by_concurrency(metrics, list(ctx.cfg.eval.concurrency))
+    if levels:
+        metrics.update(crossover(levels))
+        (ctx.out / "concurrency.json").write_text(json.dumps(levels, indent=1))
+        # One series per figure with the level as its step: MLflow draws each as one chart of
+        # gain (or tokens/s) against concurrency.
+        with open(ctx.out / CURVES, "a") as fh:  # after the epochs' curves, if any
+            fh.write(
+                "".join(
+                    json.dumps(
+                        {
+                            "step": r["concurrency"],
+                            **{f"evaluate/{k}_by_concurrency": r[k] for k in CURVED},
+                        }
+                    )
+                    + "\n"
+                    for r in levels
+                )
+            )
+    return metrics
+
+
+def _against_baseline(
+    ctx: StageContext,
+    spec: dict[str, dict],
+    target: dict[str, dict],
+    sets: dict[str, list[Any]],
+    first: str,
+    logs: Path,
+    repeats: int,
+) -> dict[str, Any]:
+    """eval.baseline_draft served on the same prompts: its figures, the paired difference per
+    set with its interval and verdict (baseline.json), and its speed against the target's."""
+    cfg = ctx.cfg
+    metrics: dict[str, Any] = {}
+    theirs = baseline.fetch(cfg)
+    _, base = serve_sets(cfg, ctx.facts, theirs, sets, "baseline", logs, speed_repeats=repeats)
+    ctx.manifest["baseline"] = {"draft": str(theirs), "given": cfg.eval.baseline_draft}
+    rows = baseline.compare(
+        {n: spec[n]["per_prompt"] for n in sets}, {n: base[n]["per_prompt"] for n in sets}
+    )
+    for name, result in base.items():
+        pre = "" if name == first else f"{name}/"
+        measured = acceptance(result["counters"])
+        keep = ("acceptance_length", "draft_acceptance_rate")
+        measured = {k: v for k, v in measured.items() if k in keep or "_pos_" in k}
+        measured.update(prompt_interval(result["per_prompt"]))
+        metrics.update({f"baseline/{pre}{k}": v for k, v in measured.items()})
+    verdicts = {baseline.BETTER: 1, baseline.SAME: 0, baseline.WORSE: -1}
+    for row in rows:
+        pre = "" if row["set"] == first else f"{row['set']}/"
+        for k in ("difference", "difference_ci_low", "difference_ci_high"):
+            metrics[f"vs_baseline/{pre}{k}"] = row[k]
+        metrics[f"vs_baseline/{pre}verdict"] = verdicts[row["verdict"]]
+    if repeats and target:
+        # Timed after the run's own draft and the target: against the target's timings.
+        speed = speed_metrics(base[first]["speed"], target[first]["speed"])
+        metrics.update({f"baseline/{k}": v for k, v in speed.items()})
+        levels = by_concurrency(speed, list(cfg.eval.concurrency))
+        if levels and (ctx.out / "concurrency.json").is_file():
+            ours = json.loads((ctx.out / "concurrency.json").read_text())
+            theirs_by = {r["concurrency"]: r for r in levels}
+            for r in ours:
+                if r["concurrency"] in theirs_by:
+                    b = theirs_by[r["concurrency"]]
+                    r["baseline_gain"] = b["gain"]
+                    r["baseline_tok_s_per_stream"] = b["draft_tok_s_per_stream"]
+            (ctx.out / "concurrency.json").write_text(json.dumps(ours, indent=1))
+    (ctx.out / "baseline.json").write_text(json.dumps(rows, indent=1))
+    return metrics
+
+
+def _write_tables(
+    ctx: StageContext,
+    sets: dict[str, list[Any]],
+    spec: dict[str, dict],
+    identical: dict[str, list[bool | None]],
+    differs: dict[str, list[dict[str, Any] | None]],
+) -> None:
+    """identity.json (each divergence with its proof) and eval_table.json (one row a prompt)."""
     identity = [
         {"set": name, "index": i, "prompt": shown(sets[name][i], 200), **d}
         for name in sets
@@ -365,11 +448,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         for i, p in enumerate(prompts)
     ]
     (ctx.out / "eval_table.json").write_text(json.dumps(table, indent=1))
-    if logs.is_dir():  # none with an existing server: its log is on its machine
-        shutil.copytree(logs, ctx.out / "logs")
-    metrics.update(_kv_capacity(ctx.out / "logs"))
-    (ctx.out / "summary.json").write_text(json.dumps(metrics, indent=2))
-    return metrics
 
 
 def _kv_capacity(logs: Path) -> dict[str, float]:
