@@ -13,8 +13,6 @@ Environment changes (hardware.env, MLflow's variables) are undone when the job e
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import shlex
@@ -27,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from runner import SOURCE_ROOT
 from runner.assets.sources import resolve_model
@@ -52,19 +50,17 @@ from runner.engine.preflight import build_plan
 from runner.engine.stage import Plan, Stage, check_registry
 from runner.integrations.versions import TRACKED, versions
 from runner.processes.cluster import is_follower
-from runner.tracking.job_tags import (
-    COLUMNS_TAG,
-    FLOORS_TAG,
-    OBJECTIVE_TAG,
-    PLOTTED_TAG,
-    RESULTS_FILE,
-    SERIES_TAG,
+from runner.tracking.job_record import (
+    end_failed,
+    log_comparison,
+    log_config,
+    log_outputs,
+    register_served,
 )
 from runner.tracking.runs import (
     Tracker,
     description_markdown,
     process_tags,
-    registered_name,
     tracking_uri,
 )
 from runner.tracking.sweep import PARENT_ENV, SEARCH_ENV, sweep_job, sweep_job_tags, swept_keys
@@ -250,15 +246,15 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
     }
     run_id = tracker.start(_run_name(cfg, tracker), _run_tags(target))
     try:
-        _log_config(tracker, cfg, target)
+        log_config(tracker, cfg, target)
         tracker.log_text(plan.render(), PLAN_FILE)  # the plan as printed, linked from the summary
         _STARTED.append(run_id)
         with _cpu_threads(cfg.hardware.cpu_threads):
             results = {
                 r.name: r
-                for r in pipeline.run(planned, done=lambda r: _log_outputs(tracker, cfg, r))
+                for r in pipeline.run(planned, done=lambda r: log_outputs(tracker, cfg, r))
             }
-        _log_comparison(tracker, cfg, results)
+        log_comparison(tracker, cfg, results)
         result = JobResult(
             plan=plan,
             target=target,
@@ -273,7 +269,7 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
             tracker.set_tags({"gate_warnings": "; ".join(warned)[:5000]})
         summary, description = _summary(result, cfg, tracker, failed, warned)
         if not (failed or warned or cfg.run.smoke_test) and cfg.tracking.register_draft:
-            _register(tracker, cfg, results, description)
+            register_served(tracker, cfg, results, description)
         # The results head the run's page in the MLflow UI.
         tracker.set_description(description_markdown(description) + tracker.figures_markdown())
         if failed:
@@ -286,7 +282,7 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
         stopped = signal_ is not None
         where = f" during stage '{signal_.stage}'" if signal_ and signal_.stage else ""
         with held_back():
-            _end_failed(
+            end_failed(
                 tracker,
                 "KILLED" if stopped else "FAILED",
                 f"interrupted by {signal_.name}{where}"
@@ -389,114 +385,6 @@ def mlflow_parent_tags(parent: str) -> dict[str, str]:
     return {"mlflow.parentRunId": parent, **sweep_job_tags()}
 
 
-def _log_config(tracker: Tracker, cfg: RunnerConfig, target: Target) -> None:
-    facts, layout = target.facts, target.layout
-    as_dict = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-    tracker.log_params(as_dict)
-    tracker.log_params(
-        {
-            "resolved.architecture": layout.architecture,
-            "resolved.layers_path": layout.layers,
-            "resolved.capture_ids_vllm": list(facts.capture_ids),
-            "resolved.aux_layers_vllm": list(facts.aux_layers),
-            "resolved.capture_layers_output_of": [i - 1 for i in facts.capture_ids],
-            "resolved.num_layers": facts.num_layers,
-            "resolved.hidden_size": facts.hidden_size,
-            "resolved.vocab_size": facts.vocab_size,
-        }
-    )
-    tracker.log_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), "config/resolved.yaml")
-
-
-def _log_outputs(tracker: Tracker, cfg: RunnerConfig, r: StageResult) -> None:
-    """The files each stage declares (`Stage.logged`), copied or, if large, linked; its tables
-    and figures (`Stage.tables`, `Stage.figures`) as MLflow tables and figures."""
-    tracker.set_tags({f"path.{r.name}": str(r.path)})
-    for rel, folder in r.stage.logged.items():
-        path = r.path / rel
-        if path.exists():
-            tracker.log_or_link(path, folder, cfg.tracking.log_checkpoint_max_mb)
-    try:
-        if r.stage.inputs is not None:
-            tracker.log_inputs(r.stage.inputs(r.metrics, cfg, r.path))
-        for name, rows in (r.stage.tables(r.metrics, r.path) if r.stage.tables else {}).items():
-            tracker.log_table(rows, name)
-        for name, fig in (r.stage.figures(r.metrics, r.path) if r.stage.figures else {}).items():
-            tracker.log_figure(fig, name)
-    except Exception as exc:  # a figure is a view of the results: never a reason to fail
-        log.warning(
-            "[%s] could not log its inputs, tables or figures: %s: %s",
-            r.name,
-            type(exc).__name__,
-            exc,
-        )
-
-
-def _log_comparison(tracker: Tracker, cfg: RunnerConfig, results: dict[str, StageResult]) -> None:
-    """Each stage's sweep columns (`Stage.columns`, from the run's MLflow metrics as logged,
-    curves included), the column that ranks the jobs, and the stages' results rows."""
-    metrics = tracker.metrics()
-    row: dict[str, float | None] = {}
-    plotted: list[str] = []
-    floors: dict[str, list[Any]] = {}
-    objective: str | None = None
-    series: list[str] = []
-    found: list[dict[str, Any]] = []
-    for r in results.values():
-        stage = r.stage
-        if stage.columns is not None:
-            prefix = f"{stage.name}/"
-            mine = {k[len(prefix) :]: v for k, v in metrics.items() if k.startswith(prefix)}
-            for other in stage.also_reads:
-                name = other.rstrip("/") + "_"
-                mine.update(
-                    {name + k[len(other) :]: v for k, v in metrics.items() if k.startswith(other)}
-                )
-            row.update(stage.columns(mine))
-        if stage.plotted and stage.objective:
-            objective = stage.plotted
-            plotted.insert(0, stage.plotted)  # the objective's column first: it ranks the jobs
-        elif stage.plotted:
-            plotted.append(stage.plotted)
-        if stage.plotted and stage.plotted_floor:
-            floors[stage.plotted] = list(stage.plotted_floor)
-        series += [s for s in stage.series if s not in series]
-        if stage.results is not None:
-            found += [{"stage": r.name, **x} for x in stage.results(r.metrics, cfg)]
-    tracker.set_tags(
-        {
-            "smoke_test": str(cfg.run.smoke_test).lower(),
-            COLUMNS_TAG: json.dumps(row),
-            OBJECTIVE_TAG: objective or "",
-            PLOTTED_TAG: json.dumps(plotted),
-            SERIES_TAG: json.dumps(series),
-            FLOORS_TAG: json.dumps(floors),
-        }
-    )
-    tracker.log_text(json.dumps(found, indent=1), RESULTS_FILE)
-
-
-def _register(
-    tracker: Tracker, cfg: RunnerConfig, results: Mapping[str, Any], description: str
-) -> None:
-    """The served draft as a version in MLflow's model registry (never a reason to fail)."""
-    name, _ = registered_name(cfg.tracking.registered_model, cfg.model.name)
-    for r in results.values():
-        folder = r.stage.served_draft(r.path) if r.stage.served_draft else None
-        # (a reused evaluation registered its draft when it was computed)
-        if folder is None or not folder.is_dir() or r.status == "cached":
-            continue
-        objective = r.stage.objective
-        tags = {"run_id": tracker.run_id, "target": cfg.model.source}
-        if objective and objective in r.metrics:
-            tags[objective] = f"{r.metrics[objective]:.4f}"
-        try:
-            version = tracker.register_draft(name, folder, description, tags)
-            log.info("registered the draft as %s version %s in MLflow's models", name, version)
-        except Exception as exc:
-            log.warning("could not register the draft in MLflow (%s: %s)", type(exc).__name__, exc)
-
-
 def _gates(results: Mapping[str, Any], cfg: RunnerConfig) -> tuple[list[str], list[str]]:
     """What the stages' gates find in their figures: (failures that fail the run, failures that
     a research setting turned into warnings)."""
@@ -509,25 +397,6 @@ def _gates(results: Mapping[str, Any], cfg: RunnerConfig) -> tuple[list[str], li
         failed.extend(fails)
         warned.extend(warns)
     return failed, warned
-
-
-def _end_failed(tracker: Tracker, status: str, reason: str | None = None) -> None:
-    """Close the run FAILED or KILLED without letting a tracking error hide the stage's own
-    error (the caller re-raises it); a run left RUNNING is reconciled by the next run. The reason
-    of a failure is the run's `failure` tag."""
-    try:
-        if reason:
-            tracker.set_tags({"failure": reason[:5000]})
-        tracker.end(status)
-    except Exception as exc:
-        log.error(
-            "could not mark MLflow run %s %s in %s (%s: %s); the next run on this store marks it",
-            tracker.run_id,
-            status,
-            tracker.uri,
-            type(exc).__name__,
-            str(exc)[:300],
-        )
 
 
 def _objective(results: dict[str, StageResult]) -> float | None:
