@@ -127,6 +127,8 @@ NOT_IN_KEY = frozenset(
         "VLLM_LOGGING_LEVEL",
         "VLLM_CONFIGURE_LOGGING",
         "VLLM_LOG_STATS_INTERVAL",
+        # Whether vLLM's engine runs in a process of its own: where, not what, it computes.
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
         "TRANSFORMERS_VERBOSITY",
         "TOKENIZERS_PARALLELISM",
         "CUDA_VISIBLE_DEVICES",
