@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from runner.assets.target_facts import hub_repo_id
+from runner.commands.store_options import add_store_options, parser
 from runner.core.interrupts import companion
-from runner.core.layout import default_root
 from runner.core.schema import VllmLaunchConfig
 from runner.core.store import new_folder
 from runner.serving.settings import draft_fields, target_flags
@@ -563,9 +563,7 @@ def publish(
 
 
 def main(argv: list[str] | None = None) -> int:
-    # The docstring's first sentence (up to the colon before its usage line), as a sentence.
-    about = __doc__.split("\n\n")[0].split(":\n")[0].rstrip(":. ") + "."
-    ap = argparse.ArgumentParser(prog="eagle3-runner publish", description=about)
+    ap = parser("publish", __doc__)
     ap.add_argument("out", help="the folder to write (must not exist, or be empty)")
     ap.add_argument("--run", help="MLflow run id (default: the newest run that trained a draft)")
     ap.add_argument("--repo-id", help="hub repository id, used in the card's serve command")
@@ -583,16 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="publish a draft whose evaluation failed a gate set to warn (eval.gates=warn)",
     )
-    ap.add_argument(
-        "--tracking-uri",
-        help="the MLflow store (default: $MLFLOW_TRACKING_URI, else the output root's mlflow.db)",
-    )
-    ap.add_argument(
-        "--output-root",
-        default=default_root(),
-        help="the runs' output root (default: $EAGLE3_RUNNER_HOME, else ./outputs)",
-    )
-    ap.add_argument("--experiment", default="eagle3", help="the MLflow experiment (eagle3)")
+    add_store_options(ap)
     args = ap.parse_args(argv)
     if args.push and not args.repo_id:
         ap.error("--push needs --repo-id")

@@ -13,34 +13,22 @@ an error, never created. Options:
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from runner.core.layout import default_root
+from runner.commands.store_options import add_store_options, parser
 from runner.tracking.runs import description_text, store_to_read
 from runner.tracking.sweep import TABLE_WIDTH, comparison_rows, render_table, run_row
 
 
 def main(argv: list[str] | None = None) -> int:
-    # The docstring's first sentence (up to the colon before its usage line), as a sentence.
-    about = __doc__.split("\n\n")[0].split(":\n")[0].rstrip(":. ") + "."
-    ap = argparse.ArgumentParser(prog="eagle3-runner report", description=about)
+    ap = parser("report", __doc__)
     ap.add_argument("parent", nargs="?", help="a run or sweep parent id (default: the newest)")
     ap.add_argument("--run", dest="run_id", help="the same as RUN_ID (publish's name for it)")
-    ap.add_argument(
-        "--tracking-uri",
-        help="the MLflow store (default: $MLFLOW_TRACKING_URI, else the output root's mlflow.db)",
-    )
-    ap.add_argument(
-        "--output-root",
-        default=default_root(),
-        help="the runs' output root (default: $EAGLE3_RUNNER_HOME, else ./outputs)",
-    )
-    ap.add_argument("--experiment", default="eagle3", help="the MLflow experiment (eagle3)")
+    add_store_options(ap)
     form = ap.add_mutually_exclusive_group()
     form.add_argument("--wide", action="store_true", help="every column, however wide")
     form.add_argument("--csv", action="store_true", help="the rows as CSV, every column")
