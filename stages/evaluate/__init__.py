@@ -276,8 +276,7 @@ def _acceptance_metrics(
         pre = "" if name == first else f"{name}/"
         measured = acceptance(result["counters"])
         if name != first:
-            keep = ("acceptance_length", "draft_acceptance_rate")
-            measured = {k: v for k, v in measured.items() if k in keep or "_pos_" in k}
+            measured = _per_set(measured)
         metrics.update({f"{pre}{k}": v for k, v in measured.items()})
         metrics.update({f"{pre}{k}": v for k, v in prompt_interval(result["per_prompt"]).items()})
         metrics[f"{pre}prompts"] = len(sets[name])
@@ -286,6 +285,13 @@ def _acceptance_metrics(
         metrics[f"{pre}generated_tokens"] = sum(len(t) for t in result["token_ids"])
         metrics[f"{pre}spec_tokens_per_s"] = tokens_per_s(result)
     return metrics
+
+
+def _per_set(measured: dict[str, Any]) -> dict[str, Any]:
+    """The figures a set other than the run's own keeps (and a baseline draft's): the
+    acceptance length, the draft acceptance rate and each position's."""
+    keep = ("acceptance_length", "draft_acceptance_rate")
+    return {k: v for k, v in measured.items() if k in keep or "_pos_" in k}
 
 
 def _target_alone(
@@ -387,9 +393,7 @@ def _against_baseline(
     )
     for name, result in base.items():
         pre = "" if name == first else f"{name}/"
-        measured = acceptance(result["counters"])
-        keep = ("acceptance_length", "draft_acceptance_rate")
-        measured = {k: v for k, v in measured.items() if k in keep or "_pos_" in k}
+        measured = _per_set(acceptance(result["counters"]))
         measured.update(prompt_interval(result["per_prompt"]))
         metrics.update({f"baseline/{pre}{k}": v for k, v in measured.items()})
     verdicts = {baseline.BETTER: 1, baseline.SAME: 0, baseline.WORSE: -1}
