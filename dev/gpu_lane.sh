@@ -32,7 +32,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 G=/tmp/gpu; mkdir -p $G/pieces
 # The environment every process of the lane gets: vLLM's CUDA build from the bundle, no
-# network, NVLink multicast off (the workplace's rule), flashinfer not carried.
+# network, NVLink multicast off (the machines' rule), flashinfer not carried.
 export PYTHONPATH=$PWD:$G/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 \
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCHINDUCTOR_CACHE_DIR=$G/inductor \
