@@ -35,6 +35,7 @@ def test_an_optuna_search_maximizes_acceptance_with_intervals(tmp_path):
         # What is tested is the search (each trial a child with its objective, Optuna told it,
         # shared stages), not the drafts: 8 steps a trial, where the epoch took 28 s a trial here.
         "train.max_steps=8",
+        "data.num_samples=16",  # one extraction for both trials: 16 rows of 256 tokens
         "eval.prompts=[mtbench]",
         "eval.num_prompts=4",
         "eval.compare_target=false",

@@ -11,19 +11,19 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-# The embedded default, reduced: 96 rows, one epoch, 24 MT-bench prompts of 48 new tokens. The
+# The embedded default, reduced: 64 rows, one epoch, 16 MT-bench prompts of 32 new tokens. The
 # lane compares drafts by the run's objective (MT-bench); HumanEval and the held-out set would
 # add about 45 s to each of its evaluations, and the e2e lane evaluates all three. (160 rows and
 # 40 prompts of 64 tokens took 826 s of the lane's shared run on an AVX2-only 2-core CPU, most
-# of it extraction, training and generation in float32.)
+# of it extraction, training and generation in float32; 96 rows and 24 prompts of 48, 424 s.)
 REDUCED = [
-    "data.num_samples=96",
+    "data.num_samples=64",
     "train.epochs=1",
     "eval.prompts=[mtbench]",
-    "eval.num_prompts=24",
-    "eval.max_new_tokens=48",
+    "eval.num_prompts=16",
+    "eval.max_new_tokens=32",
     "eval.compare_target=false",
-    # One epoch of 96 to 160 rows serves at about 1.1 (the lane's drafts): a floor below that.
+    # One epoch of 64 to 160 rows serves at about 1.1 (the lane's drafts): a floor below that.
     "eval.acceptance_floor=1.01",
 ]
 
