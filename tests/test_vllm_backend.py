@@ -47,8 +47,8 @@ def runs(root):
 
     The transformers states it is compared with are computed in the test, on the samples
     compared (test_hidden_states_match_transformers_within_bf16): a whole transformers run
-    extracted all of the lane's rows (about four minutes of CI) to compare six, and the stage's files
-    and slots are checked against transformers by the e2e lane. The online run below trains
+    extracted all of the lane's rows (about four minutes of CI) to compare six, and the stage's
+    files and slots are checked against transformers by the e2e lane. The online run below trains
     from the same states and is held to offline's training, step by step."""
     return {
         "vllm": run_job(
