@@ -185,6 +185,20 @@ def with_count():
     register(REGISTRY)
 
 
+def test_a_config_is_typed_by_the_schema_it_was_composed_on(with_count):
+    """No schema is remembered between compositions: a config composed with COUNT's section is
+    typed with it after the registry without COUNT is registered again, and the other way."""
+    from runner.core.schema import typed
+
+    with_it = compose(["count.min_tokens=4"])
+    register(REGISTRY)
+    without = compose([])
+    assert typed(with_it).count.min_tokens == 4
+    assert not hasattr(typed(without), "count")
+    with pytest.raises(ConfigError, match=r"count"):
+        typed(compose(["+count.min_tokens=4"]))
+
+
 def test_a_new_stage_with_settings_is_one_module_and_one_registry_line(
     monkeypatch, with_count, tiny_model_dir, chats_jsonl, tmp_path, capsys
 ):

@@ -706,10 +706,6 @@ def schema_for(stages: Iterable[Any]) -> type[RunnerConfig]:
     return _schema(extra)
 
 
-# The schema `register` made Hydra's base (the composition root registers the registry's).
-_REGISTERED: list[type[RunnerConfig]] = [RunnerConfig]
-
-
 @functools.cache
 def _schema(extra: tuple[tuple[str, type], ...]) -> type[RunnerConfig]:
     if not extra:
@@ -725,8 +721,15 @@ def register(stages: Iterable[Any]) -> type[RunnerConfig]:
 
     schema = schema_for(stages)
     ConfigStore.instance().store(name="base_config", node=schema)
-    _REGISTERED[0] = schema
     return schema
+
+
+def schema_of(node: Any) -> type[RunnerConfig]:
+    """The schema a composed config was built on: Hydra composes onto the registered base
+    (`register`), so the node carries it (the stages' sections included); a node built any other
+    way is read against RunnerConfig alone."""
+    kind = OmegaConf.get_type(node) if OmegaConf.is_config(node) else None
+    return kind if isinstance(kind, type) and issubclass(kind, RunnerConfig) else RunnerConfig
 
 
 def check_known_keys(node: DictConfig, schema: type[RunnerConfig] | None = None) -> None:
@@ -754,7 +757,7 @@ def check_known_keys(node: DictConfig, schema: type[RunnerConfig] | None = None)
             ):
                 walk(sub[key], child, full + ".")
 
-    walk(node, OmegaConf.structured(schema or _REGISTERED[0]), "")
+    walk(node, OmegaConf.structured(schema or schema_of(node)), "")
 
 
 def did_you_mean(key: str, schema: type[RunnerConfig]) -> str | None:
@@ -778,11 +781,12 @@ def typed(
     node: DictConfig | RunnerConfig, schema: type[RunnerConfig] | None = None
 ) -> RunnerConfig:
     """The composed config as `schema`'s dataclasses (unknown keys refused first); `schema` is
-    the registry's (`schema_for(stages)`; default: the one registered) when stages bring
-    settings of their own. Deprecated keys are moved to their new place, with a warning."""
+    the registry's (`schema_for(stages)`; default: the one the node was composed on) when
+    stages bring settings of their own. Deprecated keys are moved to their new place, with a
+    warning."""
     if isinstance(node, RunnerConfig):
         return node
-    schema = schema or _REGISTERED[0]
+    schema = schema or schema_of(node)
     return _resolved(_typed(node, schema))
 
 
