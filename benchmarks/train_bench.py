@@ -39,10 +39,10 @@ def direct(argv: list[str]) -> list[dict]:
 
     from runner.integrations.speculators import (
         TrainingState,
-        capture_metrics,
         fix_fused_loss_for_torch_compile,
         runner_training,
     )
+    from runner.integrations.speculators_metrics import capture_metrics
 
     with capture_metrics() as capture:
         if torch.cuda.is_available():

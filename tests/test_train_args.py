@@ -9,7 +9,7 @@ import pytest
 
 from runner.assets.target_facts import ModelFacts
 from runner.core.schema import typed
-from runner.integrations.speculators import Refused, command_line, resolve_train_config
+from runner.integrations.speculators_config import Refused, command_line, resolve_train_config
 from runner.integrations.speculators_settings import setting_key, speculators_settings
 from tests.conftest import compose
 
@@ -106,7 +106,7 @@ def test_online_training_fetches_from_the_server_and_reads_no_files():
 def test_training_rate_is_the_steady_state_median_not_the_compiling_first_step():
     """Online and offline training compare by tokens/s after the first step (which compiles for
     minutes on a GPU), read from speculators' own per-step profile."""
-    from runner.integrations.speculators import summarise
+    from runner.integrations.speculators_metrics import summarise
 
     records = [
         {"step": 0, "train/loss": 9.0, "profile/tokens_per_s": 50.0, "profile/fetch_frac": 0.9},

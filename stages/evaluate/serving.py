@@ -19,7 +19,7 @@ from runner.assets.prompts import Prompt, messages
 from runner.assets.target_facts import ModelFacts
 from runner.core.errors import StageError
 from runner.core.schema import RunnerConfig
-from runner.integrations.speculators import recorded_settings, resolve_train_config
+from runner.integrations.speculators_config import recorded_settings, resolve_train_config
 from runner.integrations.versions import VLLM_DISTS, installed
 from runner.integrations.vllm import per_request_spec_metrics
 from runner.serving.settings import draft_fields

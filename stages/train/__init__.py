@@ -38,18 +38,14 @@ from runner.core.interrupts import Interrupted
 from runner.core.schema import RunnerConfig
 from runner.engine.stage import EXTRACTION, ServerNeed, Stage, StageContext
 from runner.integrations import SLOT_BACKEND
-from runner.integrations.speculators import (
+from runner.integrations.speculators import chain_requeue, run_training
+from runner.integrations.speculators_checkpoints import TRAINING_STATE, best_checkpoint, epoch_dirs
+from runner.integrations.speculators_config import command_line, mask_token_id
+from runner.integrations.speculators_metrics import (
     ECHO_STEPS_ENV,
     PARAMS_FILE,
-    TRAINING_STATE,
-    best_checkpoint,
-    chain_requeue,
-    command_line,
-    epoch_dirs,
     fix_recorded_versions,
-    mask_token_id,
     metric_records,
-    run_training,
     summarise,
 )
 from runner.integrations.speculators_settings import speculators_settings

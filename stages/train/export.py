@@ -14,12 +14,9 @@ from typing import Any
 from runner.assets.target_facts import target_hub_id
 from runner.core.errors import StageError
 from runner.engine.stage import StageContext
-from runner.integrations.speculators import (
-    RESUME_ONLY,
-    best_val,
-    fix_recorded_versions,
-    validate_export,
-)
+from runner.integrations.speculators import validate_export
+from runner.integrations.speculators_checkpoints import RESUME_ONLY
+from runner.integrations.speculators_metrics import best_val, fix_recorded_versions
 from runner.integrations.vllm import servable_draft_config
 from stages.train.draft_check import Expected, check_draft
 

@@ -12,10 +12,7 @@ from runner.core.schema import RunnerConfig
 from runner.core.store import fmt_bytes, free_bytes
 from runner.engine import costs
 from runner.engine.stage import Plan, PlanView
-from runner.integrations.speculators import (
-    Refused,
-    resolve_train_config,
-)
+from runner.integrations.speculators_config import Refused, resolve_train_config
 from runner.integrations.speculators_settings import setting_key, speculators_settings
 from stages.train.draft_estimate import draft_params, plan_memory
 from stages.train.online import plan_online
