@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU lane on a machine with a GPU and no network (an H100 or H200 here), from a checkout
-# that travels there with one bundle piece per call (pieces of <= 60 MiB: `make gpu-bundle`
+# that travels there with one bundle piece per call (pieces of <= 60 MiB: `bash dev/gpu-bundle.sh`
 # builds them here into .gpu/pieces). Every call is short; the lane runs in its own process
-# session between calls. Usage, one verb per call (docs/gpu.md):
+# session between calls. Usage, one verb per call (dev/gpu_lane.md):
 #   bash dev/gpu_lane.sh recv            keep the carried piece(s) of .gpu/pieces in /tmp/gpu,
 #                                            say which are still missing
 #   bash dev/gpu_lane.sh facts           the machine: cores, NUMA nodes, the GPU's own

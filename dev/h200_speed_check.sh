@@ -4,7 +4,7 @@
 # both servers compile their graphs cold (MT-bench and HumanEval), then again with vLLM's compile
 # cache warm (MT-bench only: the speed is measured on the first set), so that a cold start's
 # effect on the ratio shows in one session.
-# In the GPU lane's environment (docs/gpu.md), after `bash dev/gpu_lane.sh setup`:
+# In the GPU lane's environment (dev/gpu_lane.md), after `bash dev/gpu_lane.sh setup`:
 #   bash dev/gpu_lane.sh bench bash dev/h200_speed_check.sh DRAFT [ROOT]
 # Prints one `SPEED <pass> {...}` line per pass (the stage's speed metrics) and keeps each pass's
 # speed.json (every repeat of both measurements) as /tmp/gpu/speed_<pass>.json.
