@@ -47,7 +47,10 @@ def dead_signposts() -> list[str]:
     dead = []
     for name in files:
         path = REPO / name
-        if name == "CHANGELOG.md" or path.suffix not in TEXT or not path.is_file():
+        # CHANGELOG.md is history; this file names dead signposts on purpose (below).
+        if name in ("CHANGELOG.md", "tests/test_signposts.py") or path.suffix not in TEXT:
+            continue
+        if not path.is_file():
             continue
         try:
             text = path.read_text()

@@ -15,6 +15,7 @@ resampled together (runner/core/intervals.py).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -22,7 +23,16 @@ from typing import Any
 
 from runner.core.intervals import paired_ratio_difference
 from runner.core.schema import RunnerConfig
+from runner.engine.stage import StageContext
 from runner.tracking.runs import tracking_uri
+from stages.evaluate.measures import (
+    acceptance,
+    by_concurrency,
+    per_set,
+    prompt_interval,
+    speed_metrics,
+)
+from stages.evaluate.serving import serve_sets
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 BETTER, SAME, WORSE = "better", "within noise", "worse"
@@ -139,3 +149,51 @@ def compare(
             }
         )
     return rows
+
+
+def against_baseline(
+    ctx: StageContext,
+    spec: dict[str, dict],
+    target: dict[str, dict],
+    sets: dict[str, list[Any]],
+    first: str,
+    logs: Path,
+    repeats: int,
+) -> dict[str, Any]:
+    """eval.baseline_draft served on the same prompts: its figures, the paired difference per
+    set with its interval and verdict (baseline.json), and its speed against the target's."""
+    cfg = ctx.cfg
+    metrics: dict[str, Any] = {}
+    theirs = fetch(cfg)
+    _, base = serve_sets(cfg, ctx.facts, theirs, sets, "baseline", logs, speed_repeats=repeats)
+    ctx.manifest["baseline"] = {"draft": str(theirs), "given": cfg.eval.baseline_draft}
+    rows = compare(
+        {n: spec[n]["per_prompt"] for n in sets}, {n: base[n]["per_prompt"] for n in sets}
+    )
+    for name, result in base.items():
+        pre = "" if name == first else f"{name}/"
+        measured = per_set(acceptance(result["counters"]))
+        measured.update(prompt_interval(result["per_prompt"]))
+        metrics.update({f"baseline/{pre}{k}": v for k, v in measured.items()})
+    verdicts = {BETTER: 1, SAME: 0, WORSE: -1}
+    for row in rows:
+        pre = "" if row["set"] == first else f"{row['set']}/"
+        for k in ("difference", "difference_ci_low", "difference_ci_high"):
+            metrics[f"vs_baseline/{pre}{k}"] = row[k]
+        metrics[f"vs_baseline/{pre}verdict"] = verdicts[row["verdict"]]
+    if repeats and target:
+        # Timed after the run's own draft and the target: against the target's timings.
+        speed = speed_metrics(base[first]["speed"], target[first]["speed"])
+        metrics.update({f"baseline/{k}": v for k, v in speed.items()})
+        levels = by_concurrency(speed, list(cfg.eval.concurrency))
+        if levels and (ctx.out / "concurrency.json").is_file():
+            ours = json.loads((ctx.out / "concurrency.json").read_text())
+            theirs_by = {r["concurrency"]: r for r in levels}
+            for r in ours:
+                if r["concurrency"] in theirs_by:
+                    b = theirs_by[r["concurrency"]]
+                    r["baseline_gain"] = b["gain"]
+                    r["baseline_tok_s_per_stream"] = b["draft_tok_s_per_stream"]
+            (ctx.out / "concurrency.json").write_text(json.dumps(ours, indent=1))
+    (ctx.out / "baseline.json").write_text(json.dumps(rows, indent=1))
+    return metrics

@@ -400,3 +400,10 @@ def transient(metrics: Mapping[str, Any]) -> list[str]:
         "once and followed it when served again alone on a fresh draft server: the serving "
         "engine's fault, not this run's settings (identity.json names each, with its proof)"
     ]
+
+
+def per_set(measured: dict[str, Any]) -> dict[str, Any]:
+    """The figures a set other than the run's own keeps (and a baseline draft's): the
+    acceptance length, the draft acceptance rate and each position's."""
+    keep = ("acceptance_length", "draft_acceptance_rate")
+    return {k: v for k, v in measured.items() if k in keep or "_pos_" in k}

@@ -9,9 +9,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from runner.assets.prompts import prompt_set_name
+from runner.assets.prompts import prompt_set_name, shown, user_turns
 from runner.core.schema import RunnerConfig
+from runner.engine.stage import StageContext
 from runner.serving.vllm_server import shell_command
+from stages.evaluate.measures import gate, prompt_cells, transient
 from stages.evaluate.prompt_sets import prompt_sources
 from stages.evaluate.serving import server_args
 
@@ -313,3 +315,90 @@ def figures(metrics: Mapping[str, Any], _path: Path) -> dict[str, Any]:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return {"evaluate/acceptance_by_position.png": fig}
+
+
+def write_tables(
+    ctx: StageContext,
+    sets: dict[str, list[Any]],
+    spec: dict[str, dict],
+    identical: dict[str, list[bool | None]],
+    differs: dict[str, list[dict[str, Any] | None]],
+) -> None:
+    """identity.json (each divergence with its proof) and eval_table.json (one row a prompt)."""
+    identity = [
+        {"set": name, "index": i, "prompt": shown(sets[name][i], 200), **d}
+        for name in sets
+        for i, d in enumerate(differs[name])
+        if d is not None
+    ]
+    (ctx.out / "identity.json").write_text(json.dumps(identity, indent=1))
+    table = [
+        {
+            "set": name,
+            "index": i,
+            "prompt": shown(p, 300),
+            "user_turns": user_turns(p),
+            "prompt_tokens": spec[name]["prompt_tokens"][i],
+            "new_tokens": len(spec[name]["token_ids"][i]),
+            "identical_to_target": identical[name][i],
+            "differs": (differs[name][i] or {}).get("verdict"),
+            **prompt_cells(spec[name]["per_prompt"], i),
+            "output": spec[name]["texts"][i],
+        }
+        for name, prompts in sets.items()
+        for i, p in enumerate(prompts)
+    ]
+    (ctx.out / "eval_table.json").write_text(json.dumps(table, indent=1))
+
+
+def inputs(metrics: Mapping[str, Any], cfg: RunnerConfig, path: Path) -> list[dict[str, Any]]:
+    """The prompt sets as MLflow run inputs (context evaluation), each with its prompts (the
+    text shown in the per-prompt table, its user turns and tokens) as the dataset's rows."""
+    try:
+        served = json.loads((path / "eval_table.json").read_text())
+    except (OSError, ValueError):
+        served = []
+    found = []
+    for i, (name, source) in enumerate(zip(set_names(cfg), prompt_sources(cfg), strict=True)):
+        pre = "" if i == 0 else f"{name}/"
+        if f"{pre}prompts" in metrics:
+            found.append(
+                {
+                    "name": name,
+                    "source": source,
+                    "digest": f"{path.name}-{name}",
+                    "context": "evaluation",
+                    "rows": metrics[f"{pre}prompts"],
+                    "table": [
+                        {k: r.get(k) for k in ("index", "prompt", "user_turns", "prompt_tokens")}
+                        for r in served
+                        if r.get("set") == name
+                    ],
+                }
+            )
+    return found
+
+
+def served_draft(path: Path) -> Path | None:
+    """The draft an evaluation served (the run's, or the epoch it chose), from its manifest."""
+    try:
+        return Path(json.loads((path / "manifest.json").read_text())["served"]["draft"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def transient_gate(cfg: RunnerConfig) -> str:
+    """eval.transient_mismatches, or its default: fail on a GPU, warn on a CPU."""
+    if cfg.eval.transient_mismatches is not None:
+        return str(cfg.eval.transient_mismatches)
+    return "fail" if cfg.hardware.device == "cuda" else "warn"
+
+
+def gates(metrics: Mapping[str, Any], cfg: RunnerConfig) -> tuple[list[str], list[str]]:
+    """What fails the run and what only warns: the floor and the identity check
+    (eval.acceptance_floor, eval.gates), and transient mismatches (eval.transient_mismatches)."""
+    failed = gate(metrics, cfg.eval.acceptance_floor, set_names(cfg))
+    once = transient(metrics)
+    if transient_gate(cfg) == "fail":
+        failed, once = failed + once, []
+    return (failed, once) if cfg.eval.gates == "fail" else ([], failed + once)
