@@ -175,56 +175,25 @@ def _output_root(node: DictConfig | RunnerConfig) -> Path:
     return Path(node.run.output_root).expanduser().resolve()
 
 
+@dataclass
+class _Ready:
+    """A job planned: its config, target, plan and pipeline; the tracker that records it, or
+    the result already (a plan only, or a node that only joined the stages spanning nodes)."""
+
+    cfg: RunnerConfig
+    target: Target
+    plan: Plan
+    pipeline: Pipeline
+    planned: list[Any]
+    tracker: Tracker | None = None
+    done: JobResult | None = None
+
+
 def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobResult:
     t_start = time.time()
     use_stage_rates(stages)
     try:  # before the job has a run of its own: a failure is recorded for a sweep's parent
-        cfg = typed(node, schema_for(stages))
-        # Everything knowable from the config alone, before anything loads.
-        check_config(cfg, tuple(s.name for s in stages))
-        output_root = writable_root(_output_root(node))
-        layout = RunLayout(output_root)
-        os.environ.update({str(k): str(v) for k, v in cfg.hardware.env.items()})
-        target = resolve_target(cfg, output_root)  # config files only; no weights
-        check_target(cfg, target, stages)
-        # A CPU run's size fits run.time_budget at this machine's measured speed.
-        cfg, budget_lines = fit_budget(cfg, target, stages, layout, explicit_keys())
-        store = ArtifactStore(output_root)
-        # A node after the first runs no stage of its own: it joins the stages that span nodes.
-        follower = is_follower(cfg)
-        if not cfg.run.plan_only and not follower:
-            store.remove_dead_temps()
-        pipeline = Pipeline(
-            cfg, target.facts, store, stages, rerun_command=rerun_command(), layout=layout
-        )
-        # Planned once: the pipeline executes this plan, the one printed (no side effects).
-        planned = pipeline.plan()
-        if os.environ.get(SEARCH_ENV) and not any(p.stage.objective for p in planned):
-            reporting = [s.name for s in stages if s.objective]
-            raise ConfigError(
-                "run.stages",
-                "a search maximises each trial's objective, and no stage of this run reports "
-                f"one; include {' or '.join(reporting) or 'a stage that declares one'}",
-            )
-        plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, layout)
-        cpu_lines(plan, cfg, target, planned, layout, budget_lines)
-        job = sweep_job()
-        if job is None or job[0] == 0:
-            _echo(plan.render())
-        else:  # a sweep's later job: its overrides and its plan's problems (the plan: MLflow)
-            _echo(f"==== job {job[0]}: {job[1]} ====")
-            for p in plan.problems:
-                _echo(f"  {p.level.upper():<8} {p.key}: {p.message}")
-        log.info("preflight took %.2f s since start", time.time() - t_start)
-        plan.raise_first_error()
-        if cfg.run.plan_only:
-            return JobResult(plan=plan, target=target)
-        if follower:
-            _follow(cfg, planned, store)
-            return JobResult(plan=plan, target=target, seconds=time.time() - t_start)
-        pipeline.refuse_damaged(planned)
-        resolve_model(cfg.model, output_root)  # converts a packaged GGUF once
-        tracker = Tracker(cfg.tracking, output_root)
+        ready = _planned_job(node, stages, t_start)
     except Exception as exc:
         _record_failed_sweep_job(node, exc)
         if isinstance(exc, ConfigError | StageError) or os.environ.get(TRACEBACK_ENV):
@@ -237,6 +206,80 @@ def _run_job(node: DictConfig | RunnerConfig, stages: tuple[Stage, ...]) -> JobR
             f"(set {TRACEBACK_ENV}=1 for the traceback)",
         ) from exc
 
+    if ready.done is not None:
+        return ready.done
+    return _tracked_job(ready, t_start)
+
+
+def _planned_job(
+    node: DictConfig | RunnerConfig, stages: tuple[Stage, ...], t_start: float
+) -> _Ready:
+    """Everything knowable before any stage runs: the config typed and checked, the target read
+    (config files only), the run sized to run.time_budget, the plan printed and its errors
+    raised; then the run's tracker."""
+    cfg = typed(node, schema_for(stages))
+    # Everything knowable from the config alone, before anything loads.
+    check_config(cfg, tuple(s.name for s in stages))
+    output_root = writable_root(_output_root(node))
+    layout = RunLayout(output_root)
+    os.environ.update({str(k): str(v) for k, v in cfg.hardware.env.items()})
+    target = resolve_target(cfg, output_root)  # config files only; no weights
+    check_target(cfg, target, stages)
+    # A CPU run's size fits run.time_budget at this machine's measured speed.
+    cfg, budget_lines = fit_budget(cfg, target, stages, layout, explicit_keys())
+    store = ArtifactStore(output_root)
+    # A node after the first runs no stage of its own: it joins the stages that span nodes.
+    follower = is_follower(cfg)
+    if not cfg.run.plan_only and not follower:
+        store.remove_dead_temps()
+    pipeline = Pipeline(
+        cfg, target.facts, store, stages, rerun_command=rerun_command(), layout=layout
+    )
+    # Planned once: the pipeline executes this plan, the one printed (no side effects).
+    planned = pipeline.plan()
+    if os.environ.get(SEARCH_ENV) and not any(p.stage.objective for p in planned):
+        reporting = [s.name for s in stages if s.objective]
+        raise ConfigError(
+            "run.stages",
+            "a search maximises each trial's objective, and no stage of this run reports "
+            f"one; include {' or '.join(reporting) or 'a stage that declares one'}",
+        )
+    plan = build_plan(cfg, target, planned, pipeline.missing(planned), store, layout)
+    cpu_lines(plan, cfg, target, planned, layout, budget_lines)
+    job = sweep_job()
+    if job is None or job[0] == 0:
+        _echo(plan.render())
+    else:  # a sweep's later job: its overrides and its plan's problems (the plan: MLflow)
+        _echo(f"==== job {job[0]}: {job[1]} ====")
+        for p in plan.problems:
+            _echo(f"  {p.level.upper():<8} {p.key}: {p.message}")
+    log.info("preflight took %.2f s since start", time.time() - t_start)
+    plan.raise_first_error()
+    if cfg.run.plan_only:
+        return _Ready(
+            cfg, target, plan, pipeline, planned, done=JobResult(plan=plan, target=target)
+        )
+    if follower:
+        _follow(cfg, planned, store)
+        done = JobResult(plan=plan, target=target, seconds=time.time() - t_start)
+        return _Ready(cfg, target, plan, pipeline, planned, done=done)
+    pipeline.refuse_damaged(planned)
+    resolve_model(cfg.model, output_root)  # converts a packaged GGUF once
+    return _Ready(cfg, target, plan, pipeline, planned, Tracker(cfg.tracking, output_root))
+
+
+def _tracked_job(ready: _Ready, t_start: float) -> JobResult:
+    """The planned stages run inside the job's MLflow run, their outputs logged as each ends;
+    the gates, the summary and the served draft's registration; the run ends FINISHED, FAILED
+    or KILLED."""
+    cfg, target, plan, pipeline, planned, tracker = (
+        ready.cfg,
+        ready.target,
+        ready.plan,
+        ready.pipeline,
+        ready.planned,
+        ready.tracker,
+    )
     pipeline.tracker = tracker
     pipeline.disk_needs = {
         k.split(".", 1)[1]: v for k, v in plan.numbers.items() if k.startswith("disk_need.")
