@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from runner.core.layout import RunLayout
 
@@ -173,15 +174,47 @@ def _tokenizer(out: Path) -> int:
 
 
 def build_kimi_k25(out: Path, seed: int = 0) -> Path:
+    """Kimi-K2.5 in miniature into `out`: its multimodal wrapper around a DeepSeek-V3 text model
+    at toy size, random weights (norms away from 1), the stand-in tokenizer, laid out as the
+    released checkpoint is."""
     import torch  # slow imports: only while building
-    from safetensors.torch import load_file, save_file
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
     out.mkdir(parents=True)
     vocab = _tokenizer(out)
     added = json.loads((out / "kimi_mini_bpe.json").read_text())["added_tokens"]
     special = {t["content"]: t["id"] for t in added}
-    text = dict(
+    text = _kimi_text(vocab, special)
+    vision = _kimi_vision(text["hidden_size"])
+    config = Kimi_K25Config(
+        text_config=text,
+        vision_config=vision,
+        projection_hidden_size=32,
+        tie_word_embeddings=False,
+        media_placeholder_token_id=special["<|media_pad|>"],
+        image_token_id=special["<|media_pad|>"],
+        bos_token_id=special["[BOS]"],
+        eos_token_id=special["[EOS]"],
+        pad_token_id=special["[PAD]"],
+    )
+    torch.manual_seed(seed)
+    model = Kimi_K25ForConditionalGeneration(config)
+    with torch.no_grad():
+        # Norm weights start at 1, which would make a norm applied twice look like once: the
+        # final-slot self-tests could not tell a post-norm state from the pre-norm one.
+        for name, param in model.named_parameters():
+            if "language_model" in name and name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out)
+    _as_released(out)
+    return out
+
+
+def _kimi_text(vocab: int, special: dict[str, int]) -> dict[str, Any]:
+    """The DeepSeek-V3 text model of the miniature: the real one's shape of layers (MLA, MoE with
+    a dense first layer, YaRN), at toy size, with the stand-in tokenizer's special tokens."""
+    return dict(
         model_type="kimi_k2",
         architectures=["DeepseekV3ForCausalLM"],
         vocab_size=vocab,
@@ -225,6 +258,10 @@ def build_kimi_k25(out: Path, seed: int = 0) -> Path:
         eos_token_id=special["[EOS]"],
         pad_token_id=special["[PAD]"],
     )
+
+
+def _kimi_vision(text_hidden: int) -> dict[str, Any]:
+    """The vision tower's config at toy size."""
     # The vision tower at toy size, under both the real checkpoint's key names (the names
     # vLLM's KimiK25Config and the remote code read: init_pos_emb_*, vt_*, ...; the set is
     # tests/data/kimi_k25/config.json's) and transformers' (pos_emb_*, hidden_size, ...), with
@@ -233,7 +270,7 @@ def build_kimi_k25(out: Path, seed: int = 0) -> Path:
     # 64 and refused the 8x8 weights.
     tower = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     grid = dict(height=8, width=8, time=4)
-    vision = dict(
+    return dict(
         **tower,
         **{f"vt_{k}": v for k, v in tower.items()},
         **{f"pos_emb_{k}": v for k, v in grid.items()},
@@ -247,29 +284,15 @@ def build_kimi_k25(out: Path, seed: int = 0) -> Path:
         mm_hidden_size=tower["hidden_size"],
         projector_hidden_act="gelu",
         projector_ln_eps=1e-5,
-        text_hidden_size=text["hidden_size"],
+        text_hidden_size=text_hidden,
     )
-    config = Kimi_K25Config(
-        text_config=text,
-        vision_config=vision,
-        projection_hidden_size=32,
-        tie_word_embeddings=False,
-        media_placeholder_token_id=special["<|media_pad|>"],
-        image_token_id=special["<|media_pad|>"],
-        bos_token_id=special["[BOS]"],
-        eos_token_id=special["[EOS]"],
-        pad_token_id=special["[PAD]"],
-    )
-    torch.manual_seed(seed)
-    model = Kimi_K25ForConditionalGeneration(config)
-    with torch.no_grad():
-        # Norm weights start at 1, which would make a norm applied twice look like once: the
-        # final-slot self-tests could not tell a post-norm state from the pre-norm one.
-        for name, param in model.named_parameters():
-            if "language_model" in name and name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(out)
+
+
+def _as_released(out: Path) -> None:
+    """The saved miniature as the released checkpoint lays it out: its weight names, files
+    readable by all, the media preprocessing settings vLLM reads, its architecture name."""
+    from safetensors.torch import load_file, save_file
+
     # The real checkpoint's key names.
     weights = load_file(str(out / "model.safetensors"))
     fixed = {}
@@ -310,7 +333,6 @@ def build_kimi_k25(out: Path, seed: int = 0) -> Path:
         "weights, a stand-in tokenizer with Kimi's special tokens. Built by "
         "runner/assets/miniatures.py; not a language model.\n"
     )
-    return out
 
 
 if __name__ == "__main__":
