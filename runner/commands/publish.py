@@ -27,6 +27,7 @@ import os
 import shlex
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -284,87 +285,15 @@ def model_card(
     hub = hub_repo_id(ours.get("target_hub_id")) or hub_repo_id(p.get("model.hub_id"))
     target = hub or f"{p.get('model.name')} (a local model: set model.hub_id to name it)"
     k = int(p.get("eval.num_speculative_tokens", "3"))
-    served = served_settings(p)
-    spec = {
-        "method": "eagle3",
-        "model": repo,
-        "num_speculative_tokens": k,
-        **draft_fields(served, mla=False),  # the drafts this runner trains: standard attention
-    }
-    serve = shlex.join(
-        [
-            "vllm",
-            "serve",
-            hub or "TARGET",
-            *target_flags(served),
-            "--speculative-config",
-            json.dumps(spec),
-        ]
-    )
-    if p.get("model.trust_remote_code") == "True":
-        serve += " --trust-remote-code"
+    serve = _card_serve_command(p, hub, repo, k)
     found = results if results is not None else run_results(run)
     measured = [r for r in found if "acceptance_length" in r]
-    with_random = any(r.get("random_acceptance_length") is not None for r in measured)
-    head = "| prompts | k | acceptance length (95% interval) | per position |"
-    rule = "|---|---|---|---|"
-    if with_random:
-        head, rule = head + " random draft |", rule + "---|"
-    rows = [head, rule]
-    for r in measured:
-        per_pos = " / ".join(f"{v:.3f}" for v in r.get("per_position", []))
-        ci = r.get("ci95")
-        interval = f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else ""
-        random = r.get("random_acceptance_length")
-        rows.append(
-            f"| {r.get('set')} ({int(r.get('prompts') or 0)} prompts) | {r.get('k', k)} | "
-            f"{r['acceptance_length']:.3f}{interval} | {per_pos} |"
-            + (f" {'-' if random is None else f'{random:.3f}'} |" if with_random else "")
-        )
-    acceptance = "\n".join(rows) if measured else "Not evaluated."
+    acceptance = _card_acceptance(measured, k)
     context = measured_on(run, draft_config, found)
     lic = license_ or card_license(p, draft_config)
     datasets = card_datasets(p)
     front_yaml = card_metadata(hub, lic, datasets, repo, p.get("model.name"), measured, k)
-    aux = known(draft_config.get("eagle_aux_hidden_state_layer_ids"))
-    vocab = (
-        f"{known(draft_config.get('draft_vocab_size'))} of {known(p.get('resolved.vocab_size'))}"
-    )
-    # A draft evaluated here but trained elsewhere (eval.draft): this run's training settings
-    # are not the draft's, and its card must not say they are.
-    elsewhere = known(p.get("eval.draft"), "") != ""
-    kept = next((r["rows"] for r in found if "rows" in r), None)
-    rows = f"{int(kept)} rows of up to {p.get('data.max_seq_len')} tokens" if kept else ""
-    data = datasets[0] if datasets else known(p.get("data.name"))
-    recipe = (
-        f"{p.get('train.epochs')} epoch(s), lr {p.get('train.lr')}, "
-        f"{p.get('train.optimizer')}, {p.get('train.ttt_steps')} TTT steps"
-    )
-    if elsewhere:
-        data_line = "trained elsewhere: not known to this run"
-        recipe = "trained elsewhere: not known to this run (see train_command.txt, if shipped)"
-    else:
-        data_line = f"{data} ({known(p.get('data.name'))})" + (f", {rows}" if rows else "")
-    layers = ours.get("target_num_layers")
-    capture = (
-        f"{ours['capture_ids']}: {ours.get('layer_id_convention')}"
-        if ours.get("capture_ids")
-        else "unknown (the draft's config does not record them)"
-    )
-    table = "\n".join(
-        [
-            "| | |",
-            "|---|---|",
-            f"| target | {target}" + (f" ({layers} decoder layers)" if layers else "") + " |",
-            f"| capture ids | {capture} |",
-            f"| aux layer ids (`eagle_aux_hidden_state_layer_ids`) | {aux} |",
-            f"| draft vocabulary | {vocab} target tokens |",
-            f"| data | {data_line} |",
-            f"| training | {recipe} |",
-            f"| draft attention | {draft_attention(draft_config)} |",
-            f"| license | {lic or 'not known: set model.license or pass --license'} |",
-        ]
-    )
+    table = _card_facts(p, draft_config, target, found, datasets, lic)
     where = (
         ""
         if hub
@@ -408,6 +337,105 @@ Trained by eagle3-runner (MLflow run `{run.info.run_id}`) with speculators
 
 See `train_command.txt`.
 """
+
+
+def _card_serve_command(p: Mapping[str, str], hub: str | None, repo: str, k: int) -> str:
+    """The card's `vllm serve` command: the target by its hub id (TARGET when local), the
+    serving settings measured, the draft by its repo id."""
+    served = served_settings(p)
+    spec = {
+        "method": "eagle3",
+        "model": repo,
+        "num_speculative_tokens": k,
+        **draft_fields(served, mla=False),  # the drafts this runner trains: standard attention
+    }
+    serve = shlex.join(
+        [
+            "vllm",
+            "serve",
+            hub or "TARGET",
+            *target_flags(served),
+            "--speculative-config",
+            json.dumps(spec),
+        ]
+    )
+    if p.get("model.trust_remote_code") == "True":
+        serve += " --trust-remote-code"
+    return serve
+
+
+def _card_acceptance(measured: list[dict[str, Any]], k: int) -> str:
+    """The card's acceptance table: one row per prompt set with its interval and positions (and
+    the random draft's figure where one was served)."""
+    with_random = any(r.get("random_acceptance_length") is not None for r in measured)
+    head = "| prompts | k | acceptance length (95% interval) | per position |"
+    rule = "|---|---|---|---|"
+    if with_random:
+        head, rule = head + " random draft |", rule + "---|"
+    rows = [head, rule]
+    for r in measured:
+        per_pos = " / ".join(f"{v:.3f}" for v in r.get("per_position", []))
+        ci = r.get("ci95")
+        interval = f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else ""
+        random = r.get("random_acceptance_length")
+        rows.append(
+            f"| {r.get('set')} ({int(r.get('prompts') or 0)} prompts) | {r.get('k', k)} | "
+            f"{r['acceptance_length']:.3f}{interval} | {per_pos} |"
+            + (f" {'-' if random is None else f'{random:.3f}'} |" if with_random else "")
+        )
+    return "\n".join(rows) if measured else "Not evaluated."
+
+
+def _card_facts(
+    p: Mapping[str, str],
+    draft_config: dict[str, Any],
+    target: str,
+    found: list[dict[str, Any]],
+    datasets: list[str],
+    lic: str | None,
+) -> str:
+    """The card's table of facts: target, capture and aux layer ids, vocabulary, data, training
+    (never this run's for a draft trained elsewhere), draft attention, license."""
+    ours = draft_config.get("eagle3_runner", {})
+    aux = known(draft_config.get("eagle_aux_hidden_state_layer_ids"))
+    vocab = (
+        f"{known(draft_config.get('draft_vocab_size'))} of {known(p.get('resolved.vocab_size'))}"
+    )
+    # A draft evaluated here but trained elsewhere (eval.draft): this run's training settings
+    # are not the draft's, and its card must not say they are.
+    elsewhere = known(p.get("eval.draft"), "") != ""
+    kept = next((r["rows"] for r in found if "rows" in r), None)
+    rows = f"{int(kept)} rows of up to {p.get('data.max_seq_len')} tokens" if kept else ""
+    data = datasets[0] if datasets else known(p.get("data.name"))
+    recipe = (
+        f"{p.get('train.epochs')} epoch(s), lr {p.get('train.lr')}, "
+        f"{p.get('train.optimizer')}, {p.get('train.ttt_steps')} TTT steps"
+    )
+    if elsewhere:
+        data_line = "trained elsewhere: not known to this run"
+        recipe = "trained elsewhere: not known to this run (see train_command.txt, if shipped)"
+    else:
+        data_line = f"{data} ({known(p.get('data.name'))})" + (f", {rows}" if rows else "")
+    layers = ours.get("target_num_layers")
+    capture = (
+        f"{ours['capture_ids']}: {ours.get('layer_id_convention')}"
+        if ours.get("capture_ids")
+        else "unknown (the draft's config does not record them)"
+    )
+    return "\n".join(
+        [
+            "| | |",
+            "|---|---|",
+            f"| target | {target}" + (f" ({layers} decoder layers)" if layers else "") + " |",
+            f"| capture ids | {capture} |",
+            f"| aux layer ids (`eagle_aux_hidden_state_layer_ids`) | {aux} |",
+            f"| draft vocabulary | {vocab} target tokens |",
+            f"| data | {data_line} |",
+            f"| training | {recipe} |",
+            f"| draft attention | {draft_attention(draft_config)} |",
+            f"| license | {lic or 'not known: set model.license or pass --license'} |",
+        ]
+    )
 
 
 def measured_on(run: Any, draft_config: dict[str, Any], found: list[dict[str, Any]]) -> str:
