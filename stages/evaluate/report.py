@@ -94,29 +94,7 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
         )
     lines += _concurrency_lines(metrics, path)
     lines += _baseline_lines(metrics, path, cfg)
-    if "speed_check_agrees" in metrics:
-        diffs = ", ".join(
-            f"{metrics[f'speed_check_{k}']:.2f}x at {where} "
-            f"({metrics[f'speed_check_{k}_diff']:+.0%})"
-            for k, where in (("c1", "concurrency 1"), ("batch", "batch"))
-            if f"speed_check_{k}" in metrics
-        )
-        verdict = "agrees within 10%" if metrics["speed_check_agrees"] else "SPEED CHECK DISAGREES"
-        noise = [k for k in ("c1", "batch") if f"speed_check_{k}_within_noise" in metrics]
-        if not metrics["speed_check_agrees"] and noise:
-            if all(metrics[f"speed_check_{k}_within_noise"] for k in noise):
-                widest = max(metrics[f"speed_check_{k}_noise"] for k in noise)
-                verdict = (
-                    "more than 10% apart, but within the two measurements' own noise "
-                    f"(up to ±{widest:.0%} at 95%): more repeats (eval.speed_repeats) or longer "
-                    "passes (eval.speed_pass_s) resolve 10%"
-                )
-            else:
-                verdict += ", by more than the two measurements' own noise"
-        lines.append(
-            f"speed checked on the same servers by an independent client (eval.speed_check): "
-            f"{diffs} ({verdict}; in brackets the stage's ratio against it)"
-        )
+    lines += _speed_check_lines(metrics)
     extra = []
     if same is not None:
         one = {
@@ -142,6 +120,33 @@ def summary(metrics: dict[str, Any], path: Path, cfg: RunnerConfig) -> list[str]
     if extra:
         lines.append(", ".join(extra))
     return [*lines, f"serve it: {serve_command(cfg, path)}"]
+
+
+def _speed_check_lines(metrics: Mapping[str, Any]) -> list[str]:
+    """The independent client's verdict on the speed ratio (eval.speed_check), if it ran."""
+    if "speed_check_agrees" not in metrics:
+        return []
+    diffs = ", ".join(
+        f"{metrics[f'speed_check_{k}']:.2f}x at {where} ({metrics[f'speed_check_{k}_diff']:+.0%})"
+        for k, where in (("c1", "concurrency 1"), ("batch", "batch"))
+        if f"speed_check_{k}" in metrics
+    )
+    verdict = "agrees within 10%" if metrics["speed_check_agrees"] else "SPEED CHECK DISAGREES"
+    noise = [k for k in ("c1", "batch") if f"speed_check_{k}_within_noise" in metrics]
+    if not metrics["speed_check_agrees"] and noise:
+        if all(metrics[f"speed_check_{k}_within_noise"] for k in noise):
+            widest = max(metrics[f"speed_check_{k}_noise"] for k in noise)
+            verdict = (
+                "more than 10% apart, but within the two measurements' own noise "
+                f"(up to ±{widest:.0%} at 95%): more repeats (eval.speed_repeats) or longer "
+                "passes (eval.speed_pass_s) resolve 10%"
+            )
+        else:
+            verdict += ", by more than the two measurements' own noise"
+    return [
+        f"speed checked on the same servers by an independent client (eval.speed_check): "
+        f"{diffs} ({verdict}; in brackets the stage's ratio against it)"
+    ]
 
 
 def _baseline_lines(metrics: Mapping[str, Any], path: Path, cfg: RunnerConfig) -> list[str]:
