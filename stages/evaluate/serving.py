@@ -270,6 +270,20 @@ def _speed(
     return out
 
 
+def _users(prompts: list[Prompt], one_at_a_time: bool, streams: int | None) -> list[list[Prompt]]:
+    """The prompts each user of a timed pass goes through: one user through all of them
+    (concurrency 1), one user per prompt, or `streams` users sharing them in turn (user u takes
+    prompts u, u + streams, ..., wrapping round when there are more users than prompts)."""
+    if one_at_a_time:
+        return [list(prompts)]
+    if streams is None:
+        return [[p] for p in prompts]
+    each = max(1, -(-len(prompts) // streams))
+    return [
+        [prompts[(u + j * streams) % len(prompts)] for j in range(each)] for u in range(streams)
+    ]
+
+
 async def _rate(
     server: Server,
     prompts: list[Prompt],
@@ -309,15 +323,7 @@ async def _rate(
                 raise StageError(f"a speed request failed: HTTP {r.status}: {str(answer)[:300]}")
         return int(answer["usage"]["completion_tokens"])
 
-    if one_at_a_time:
-        users = [list(prompts)]
-    elif streams is None:
-        users = [[p] for p in prompts]
-    else:
-        each = max(1, -(-len(prompts) // streams))
-        users = [
-            [prompts[(u + j * streams) % len(prompts)] for j in range(each)] for u in range(streams)
-        ]
+    users = _users(prompts, one_at_a_time, streams)
     answered: set[int] = set()  # users with one answer: the window opens when all have
     opened: list[float] = []
     # Per user, its tokens answered inside the window and the span they took: from its last
