@@ -119,17 +119,9 @@ def _unknown(key: str, value: str, known: list[str] | tuple[str, ...]) -> tuple[
     return key, f"{value!r} is not a name vLLM knows{hint}"
 
 
-def problems(
-    hw: HardwareConfig,
-    target_mla: bool,
-    names: dict[str, Any] | None = None,
-    draft_served: bool = True,
-) -> list[tuple[str, str]]:
-    """(key, why) for each serving setting the run cannot use: unknown names (from the installed
-    vLLM's `names`, else vLLM 0.32.0's), a kernel of the wrong attention kind, a GPU kernel on the
-    CPU, the silent zero of SILENT_ZERO, and rejection sampling that measures nothing."""
-    v = hw.vllm
-    names = names or {}
+def _unknown_names(v: Any, names: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, why) for each serving setting whose value the installed vLLM does not know (its
+    `names`, else vLLM 0.32.0's), and for rejection sampling that measures nothing."""
     backends = names.get("backends") or BACKENDS
     found = []
     for key, value, known in (
@@ -150,6 +142,20 @@ def problems(
                 )
             else:
                 found.append(_unknown(f"hardware.vllm.{key}", value, known))
+    return found
+
+
+def problems(
+    hw: HardwareConfig,
+    target_mla: bool,
+    names: dict[str, Any] | None = None,
+    draft_served: bool = True,
+) -> list[tuple[str, str]]:
+    """(key, why) for each serving setting the run cannot use: unknown names (from the installed
+    vLLM's `names`, else vLLM 0.32.0's), a kernel of the wrong attention kind, a GPU kernel on the
+    CPU, the silent zero of SILENT_ZERO, and rejection sampling that measures nothing."""
+    v = hw.vllm
+    found = _unknown_names(v, names or {})
     if found:
         return found
     on_cpu = hw.device == "cpu"
