@@ -117,6 +117,60 @@ def _spec(info: EndpointInfo) -> dict[str, Any]:
     return (info.config or {}).get("speculative_config") or {}
 
 
+def _wrong_job(info: EndpointInfo, need: str, spec: dict[str, Any]) -> str | None:
+    """Why a server is set up for the other job (extraction against a draft), the one thing to
+    fix first; None if it is not."""
+    if info.config is not None and spec.get("method") != need:
+        recipe = (
+            "--speculative-config with method extract_hidden_states and the capture ids, and "
+            "--kv-transfer-config with a hidden-states connector (docs/multi-box.md: two boxes)"
+            if need == EXTRACTION
+            else "--speculative-config with method eagle3 and the trained draft"
+        )
+        return (
+            f"runs speculative method {spec.get('method')!r}; this stage needs {need!r}: "
+            f"restart it with {recipe}"
+        )
+    if info.config is None and need == DRAFT and info.spec_positions == 0:
+        return (
+            "counts no speculative decoding in /metrics: it serves no draft; start it with "
+            '--speculative-config \'{"method": "eagle3", "model": <the draft>, '
+            '"num_speculative_tokens": k}\''
+        )
+    return None
+
+
+def _unchecked(
+    info: EndpointInfo, need: str, k: int | None, k_key: str
+) -> list[tuple[str, str, str]]:
+    """A server that hides its engine config: its draft's positions from /metrics, and a
+    warning that the method and dtype go unchecked."""
+    out = []
+    if need == DRAFT and k is not None and info.spec_positions != k:
+        out.append(
+            (
+                "error",
+                k_key,
+                f"proposes {info.spec_positions} draft tokens (per-position counters in /metrics)"
+                f", this run expects k={k}",
+            )
+        )
+    out.append(
+        (
+            "warning",
+            "hardware.vllm.endpoint",
+            "hides its engine config (/server_info answers only with VLLM_SERVER_DEV_MODE=1): "
+            "the speculative method and dtype are not checked here"
+            + (
+                "; the first sample's slot count is checked when it arrives"
+                if need == EXTRACTION
+                else ""
+            ),
+        )
+    )
+    return out
+
+
 def problems(
     info: EndpointInfo,
     need: str,
@@ -140,9 +194,6 @@ def problems(
     def err(key: str, msg: str) -> None:
         out.append(("error", key, f"{where} {msg}"))
 
-    def warn(key: str, msg: str) -> None:
-        out.append(("warning", key, f"{where} {msg}"))
-
     if tokens is not None and info.tokens is not None and tokens != info.tokens:
         err(
             "model",
@@ -151,27 +202,9 @@ def problems(
             "of this target, or choose the served model with model=...",
         )
     spec = _spec(info)
-    # A server set up for the other job (extraction vs a draft) is the one thing to fix first.
-    if info.config is not None and spec.get("method") != need:
-        recipe = (
-            "--speculative-config with method extract_hidden_states and the capture ids, and "
-            "--kv-transfer-config with a hidden-states connector (docs/multi-box.md: two boxes)"
-            if need == EXTRACTION
-            else "--speculative-config with method eagle3 and the trained draft"
-        )
-        err(
-            "hardware.vllm.endpoint",
-            f"runs speculative method {spec.get('method')!r}; this stage needs {need!r}: "
-            f"restart it with {recipe}",
-        )
-        return out
-    if info.config is None and need == DRAFT and info.spec_positions == 0:
-        err(
-            "hardware.vllm.endpoint",
-            "counts no speculative decoding in /metrics: it serves no draft; start it with "
-            '--speculative-config \'{"method": "eagle3", "model": <the draft>, '
-            '"num_speculative_tokens": k}\'',
-        )
+    wrong = _wrong_job(info, need, spec)
+    if wrong:
+        err("hardware.vllm.endpoint", wrong)
         return out
     if info.max_model_len is not None and info.max_model_len < min_model_len:
         err(
@@ -180,23 +213,8 @@ def problems(
             f"stage sends up to {min_model_len}: lower {len_key} or restart the server with "
             f"--max-model-len {min_model_len}",
         )
-    if info.config is None:
-        if need == DRAFT and k is not None and info.spec_positions != k:
-            err(
-                k_key,
-                f"proposes {info.spec_positions} draft tokens (per-position counters in /metrics)"
-                f", this run expects k={k}",
-            )
-        warn(
-            "hardware.vllm.endpoint",
-            "hides its engine config (/server_info answers only with VLLM_SERVER_DEV_MODE=1): "
-            "the speculative method and dtype are not checked here"
-            + (
-                "; the first sample's slot count is checked when it arrives"
-                if need == EXTRACTION
-                else ""
-            ),
-        )
+    if info.config is None:  # what a server that hides its engine config still shows
+        out += [(lvl, key, f"{where} {msg}") for lvl, key, msg in _unchecked(info, need, k, k_key)]
         return out
     if need == EXTRACTION and not (info.config.get("kv_transfer_config") or {}).get("kv_connector"):
         err(
