@@ -162,34 +162,7 @@ def plan(p: Plan, view: PlanView) -> None:
             "extracted (shared)",
             f"{ext}: the sweep's union; this job trains on slots {list(facts.train_slots)}",
         )
-    if cfg.extract.backend == "vllm":
-        x = cfg.extract
-        v, n = cfg.hardware.vllm, server_count(cfg)
-        who = (
-            f"the server at {v.endpoint}:"
-            if v.endpoint
-            else f"{n} servers that already run (hardware.vllm.endpoints), rows shared:"
-            if v.endpoints
-            else "the train stage's vLLM server,"
-            if online(cfg)
-            else f"{n} vLLM servers started side by side (hardware.vllm.data_parallel; GPUs "
-            f"{' | '.join(gpu_slices(cfg))}), rows shared:"
-            if n > 1 and cfg.hardware.device == "cuda"
-            else f"{n} vLLM servers started side by side on this CPU (hardware.vllm."
-            "data_parallel; they share its cores), rows shared:"
-            if n > 1
-            else "a vLLM server,"
-        )
-        p.add(
-            "extract backend",
-            f"{who} extract_hidden_states with eagle_aux_hidden_state_layer_ids "
-            f"{ext}, "
-            f"chunked prefill and prefix caching off, {extract_concurrency(cfg)} requests in "
-            f"flight{_step(cfg)}, {x.max_retries} retries per sample",
-        )
-    else:
-        hooks = [f"{w}:{i}" for w, i in (hook_point(k, facts.num_layers) for k in ext)]
-        p.add("transformers hooks", ", ".join(hooks))
+    _plan_backend(p, cfg, facts, ext)
     # Hidden states on disk: the prepared token count if prepare is cached, else an upper bound.
     storage, other = cfg.extract.storage, "bf16" if cfg.extract.storage == "fp8" else "fp8"
     # "bf16" storage is the target's own dtype (hardware.dtype): float32 where the CPU has no
@@ -246,8 +219,49 @@ def plan(p: Plan, view: PlanView) -> None:
         ]
         if costs_now[0] and costs_now[1]:
             p.add_cost("extract", costs_now[0], costs_now[1])
+    _plan_disk(p, view, need, stored, bpt_other * tokens_est)
+
+
+def _plan_backend(p: Plan, cfg: RunnerConfig, facts: Any, ext: list[int]) -> None:
+    """Which servers or hooks extract the layers, and how."""
+    if cfg.extract.backend == "vllm":
+        x = cfg.extract
+        v, n = cfg.hardware.vllm, server_count(cfg)
+        who = (
+            f"the server at {v.endpoint}:"
+            if v.endpoint
+            else f"{n} servers that already run (hardware.vllm.endpoints), rows shared:"
+            if v.endpoints
+            else "the train stage's vLLM server,"
+            if online(cfg)
+            else f"{n} vLLM servers started side by side (hardware.vllm.data_parallel; GPUs "
+            f"{' | '.join(gpu_slices(cfg))}), rows shared:"
+            if n > 1 and cfg.hardware.device == "cuda"
+            else f"{n} vLLM servers started side by side on this CPU (hardware.vllm."
+            "data_parallel; they share its cores), rows shared:"
+            if n > 1
+            else "a vLLM server,"
+        )
+        p.add(
+            "extract backend",
+            f"{who} extract_hidden_states with eagle_aux_hidden_state_layer_ids "
+            f"{ext}, "
+            f"chunked prefill and prefix caching off, {extract_concurrency(cfg)} requests in "
+            f"flight{_step(cfg)}, {x.max_retries} retries per sample",
+        )
+    else:
+        hooks = [f"{w}:{i}" for w, i in (hook_point(k, facts.num_layers) for k in ext)]
+        p.add("transformers hooks", ", ".join(hooks))
+
+
+def _plan_disk(p: Plan, view: PlanView, need: float, stored: float, other_size: float) -> None:
+    """Refused where the hidden states cannot fit the free disk, naming the key that makes them
+    fit; warned where they would nearly fill it."""
+    cfg = view.cfg
+    storage = cfg.extract.storage
+    free = free_bytes(view.output_root)
     if need > free:
-        fits_other = bpt_other * tokens_est <= free
+        fits_other = other_size <= free
         key = "extract.storage" if fits_other and storage == "bf16" else "data.num_samples"
         hint = (
             "extract.storage=fp8 would fit, or extract.mode=online stores nothing"
