@@ -165,20 +165,74 @@ def _torchrun(
     return outcome
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
-    work = ctx.scratch
-    save_path = work / "checkpoints"
+def _count_attempt(work: Path, save_path: Path) -> tuple[dict[str, int], bool, int]:
+    """This attempt counted in work/attempts.json (now, not at the end: an attempt killed again
+    still counts), with the resume and the steps it will redo; whether it resumes, and the step
+    an earlier attempt reached."""
     history = _read_json(work / "attempts.json", {"attempts": 0, "resumes": 0, "steps_redone": 0})
     epochs = epoch_dirs(save_path)
     resuming = bool(epochs)
     reached_before = _read_json(work / "progress.json", {}).get("global_step", 0)
-    # Counted now, not at the end: an attempt that is killed again still counts.
     history["attempts"] += 1
     if resuming:
         state = _read_json(epochs[-1] / TRAINING_STATE, {})
         history["resumes"] += 1
         history["steps_redone"] += max(0, reached_before - state.get("global_step", 0))
     (work / "attempts.json").write_text(json.dumps(history))
+    return history, resuming, reached_before
+
+
+def _ship_beside_draft(ctx: StageContext, work: Path, save_path: Path) -> None:
+    """What the artifact keeps beside the draft: every epoch's draft (train.keep_epoch_drafts),
+    speculators' run config and command, the training's logs; files readable by all."""
+    # Every epoch's draft (train.keep_epoch_drafts), for acceptance against tokens trained: the
+    # work folder with their checkpoints is deleted once the stage is published.
+    if ctx.cfg.train.keep_epoch_drafts:
+        kept = epoch_dirs(save_path)
+        for ep in kept:
+            publish_draft(ep, ctx.out / "epochs" / ep.name, ctx)
+        ctx.manifest["epoch_drafts"] = [f"epochs/{ep.name}" for ep in kept]
+    for f in ("run.yaml", "train_command.txt"):
+        if (save_path / f).exists():
+            shutil.copy2(save_path / f, ctx.out / f)
+    fix_recorded_versions(ctx.out / "train_command.txt")
+    for name in ("train.log", "vllm_online.log"):
+        if (work / "logs" / name).is_file():
+            (ctx.out / "logs").mkdir(exist_ok=True)
+            shutil.copy2(work / "logs" / name, ctx.out / "logs" / name)
+    for f in ctx.out.iterdir():
+        if f.is_file():
+            f.chmod(0o644)  # speculators writes 0600: a draft's folder is shared
+
+
+def _peak_memory(work: Path) -> dict[str, float]:
+    """Each rank's peak GPU memory (the plan's estimate is checked against it); {} on a CPU."""
+    peaks = [_read_json(p, {}) for p in sorted(work.glob("memory_rank*.json"))]
+    return {
+        f"peak_gpu_{kind}_gib": max(p[kind] for p in peaks) / 2**30
+        for kind in ("allocated", "reserved")
+        if peaks and all(kind in p for p in peaks)
+    }
+
+
+def _raise_if_stopped(ctx: StageContext, outcome: dict[str, Any]) -> None:
+    """A training stopped by a signal (its checkpoint saved) ends the stage as interrupted,
+    with the command that resumes it."""
+    if outcome.get("status") == "finished":
+        return
+    name = outcome.get("signal") or "SIGTERM"  # None: another rank was signalled
+    raise Interrupted(
+        signal.Signals[name],
+        f"training was stopped by {name} at epoch {outcome.get('epoch')} step "
+        f"{outcome.get('local_step')} (global step {outcome.get('global_step')}) and saved a "
+        f"checkpoint. {resume_hint(ctx.scratch, ctx.rerun_command)}",
+    )
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    work = ctx.scratch
+    save_path = work / "checkpoints"
+    history, resuming, reached_before = _count_attempt(work, save_path)
     for stale in (work / "outcome.json", *work.glob("memory_rank*.json")):
         stale.unlink(missing_ok=True)
     # Read by the training call (and inherited by torchrun's ranks); the job restores the
@@ -226,14 +280,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             else:
                 outcome = _torchrun(ctx, settings, ranks, history["attempts"])
         train_s = time.time() - t0
-    if outcome.get("status") != "finished":
-        name = outcome.get("signal") or "SIGTERM"  # None: another rank was signalled
-        raise Interrupted(
-            signal.Signals[name],
-            f"training was stopped by {name} at epoch {outcome.get('epoch')} step "
-            f"{outcome.get('local_step')} (global step {outcome.get('global_step')}) and saved a "
-            f"checkpoint. {resume_hint(ctx.scratch, ctx.rerun_command)}",
-        )
+    _raise_if_stopped(ctx, outcome)
     if (work / PARAMS_FILE).is_file():  # logged live; replayed by runs that reuse this
         shutil.copy2(work / PARAMS_FILE, ctx.out / PARAMS_FILE)
     records = metric_records(work / "metrics.jsonl")
@@ -243,34 +290,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ckpt = best_checkpoint(save_path)
     draft = publish_draft(ckpt, ctx.out / "draft", ctx)
     checked = check_export(ctx, settings, draft, records, online)
-    # Every epoch's draft (train.keep_epoch_drafts), for acceptance against tokens trained: the
-    # work folder with their checkpoints is deleted once the stage is published.
-    if ctx.cfg.train.keep_epoch_drafts:
-        kept = epoch_dirs(save_path)
-        for ep in kept:
-            publish_draft(ep, ctx.out / "epochs" / ep.name, ctx)
-        ctx.manifest["epoch_drafts"] = [f"epochs/{ep.name}" for ep in kept]
-    for f in ("run.yaml", "train_command.txt"):
-        if (save_path / f).exists():
-            shutil.copy2(save_path / f, ctx.out / f)
-    fix_recorded_versions(ctx.out / "train_command.txt")
-    for name in ("train.log", "vllm_online.log"):
-        if (work / "logs" / name).is_file():
-            (ctx.out / "logs").mkdir(exist_ok=True)
-            shutil.copy2(work / "logs" / name, ctx.out / "logs" / name)
-    for f in ctx.out.iterdir():
-        if f.is_file():
-            f.chmod(0o644)  # speculators writes 0600: a draft's folder is shared
-    peaks = [_read_json(p, {}) for p in sorted(work.glob("memory_rank*.json"))]
-    memory = {
-        f"peak_gpu_{kind}_gib": max(p[kind] for p in peaks) / 2**30
-        for kind in ("allocated", "reserved")
-        if peaks and all(kind in p for p in peaks)
-    }
+    _ship_beside_draft(ctx, work, save_path)
     return {
         **summarise(records),
         **checked,
-        **memory,
+        **_peak_memory(work),
         "checkpoint_bytes": sum(f.stat().st_size for f in draft.iterdir()),
         "ranks": ranks * ctx.cfg.hardware.num_nodes,
         **({"nodes": ctx.cfg.hardware.num_nodes} if ctx.cfg.hardware.num_nodes > 1 else {}),
