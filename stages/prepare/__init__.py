@@ -345,32 +345,87 @@ def _row_sizes(path: Path) -> list[dict[str, int]]:
     ]
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
+def _from_regenerated(mix: list[Any], regenerated: Any) -> list[Any]:
+    """With regenerate: the same sources and shares, each read from the target's own
+    conversations."""
+    if regenerated is None:
+        return mix
+    return [
+        dataclasses.replace(
+            src,
+            cfg=dataclasses.replace(
+                src.cfg,
+                source=str(regenerated.path / "regenerated" / f"source_{i}.jsonl"),
+                column="conversations",
+                split="train",
+                revision=None,
+                shuffle=False,
+            ),
+            hold_out=0,  # regenerate left the room out already
+        )
+        for i, src in enumerate(mix)
+    ]
+
+
+def _write_rows(ctx: StageContext, merged: list[Any], tok: Any) -> dict[str, list]:
+    """The rows as a datasets folder (input ids, loss mask, length) and the first one marked in
+    sample.txt; returns the rows."""
     import datasets  # slow import: only when the stage runs
+
+    rows: dict[str, list] = {
+        "input_ids": [ids for _, (ids, _) in merged],
+        "loss_mask": [mask for _, (_, mask) in merged],
+        "seq_len": [len(ids) for _, (ids, _) in merged],
+    }
+    ds = datasets.Dataset.from_dict(
+        rows,
+        features=datasets.Features(
+            {
+                "input_ids": datasets.Sequence(datasets.Value("int64")),
+                "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                "seq_len": datasets.Value("int64"),
+            }
+        ),
+    )
+    ds.set_format("torch")
+    ds.save_to_disk(str(ctx.out / "dataset"))
+    (ctx.out / "sample.txt").write_text(
+        marked_text(tok, rows["input_ids"][0], rows["loss_mask"][0])
+    )
+    return rows
+
+
+def _record_sources(
+    ctx: StageContext, mix: list[Any], taken: list[dict[str, Any]], merged: list[Any]
+) -> None:
+    """What came from where, in the manifest: per source what was asked, read and kept, and
+    each row's source in the dataset's order; the first dropped examples."""
+    ctx.manifest["dropped_examples"] = [e for t in taken for e in t["read"].examples][:5]
+    ctx.manifest["sources"] = [
+        {
+            "name": src.name,
+            "source": src.cfg.source,
+            "split": src.cfg.split,
+            "revision": src.cfg.revision,
+            "asked": src.quota,
+            "rows": len(t["rows"]),
+            "rows_read": t["read"].rows_read,
+            "conversations_read": t["used"],
+            "dropped": {k: v for k, v in t["dropped"].items() if v},
+        }
+        for src, t in zip(mix, taken, strict=True)
+    ]
+    ctx.manifest["row_sources"] = [i for i, _ in merged]
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
     from tqdm import tqdm
 
     cfg = ctx.cfg.data
     tok = load_tokenizer(ctx.cfg, ctx.facts)
     kwargs = template_kwargs(ctx.cfg)
     mix = sources(cfg)
-    regenerated = ctx.inputs.get("regenerate")
-    if regenerated is not None:
-        # The same sources and shares, each read from the target's own conversations.
-        mix = [
-            dataclasses.replace(
-                src,
-                cfg=dataclasses.replace(
-                    src.cfg,
-                    source=str(regenerated.path / "regenerated" / f"source_{i}.jsonl"),
-                    column="conversations",
-                    split="train",
-                    revision=None,
-                    shuffle=False,
-                ),
-                hold_out=0,  # regenerate left the room out already
-            )
-            for i, src in enumerate(mix)
-        ]
+    mix = _from_regenerated(mix, ctx.inputs.get("regenerate"))
     total = sum(s.quota for s in mix)
     procs = worker_count(cfg.num_proc, total)
     if procs > 1:
@@ -397,48 +452,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
             f"no usable row: of {sum(t['used'] for t in taken)} conversations tokenised, dropped "
             f"{dict(dropped)} (data.max_seq_len, data.min_assistant_tokens)",
         )
-    rows: dict[str, list] = {
-        "input_ids": [ids for _, (ids, _) in merged],
-        "loss_mask": [mask for _, (_, mask) in merged],
-        "seq_len": [len(ids) for _, (ids, _) in merged],
-    }
-    ds = datasets.Dataset.from_dict(
-        rows,
-        features=datasets.Features(
-            {
-                "input_ids": datasets.Sequence(datasets.Value("int64")),
-                "loss_mask": datasets.Sequence(datasets.Value("int64")),
-                "seq_len": datasets.Value("int64"),
-            }
-        ),
-    )
-    ds.set_format("torch")
-    ds.save_to_disk(str(ctx.out / "dataset"))
-    (ctx.out / "sample.txt").write_text(
-        marked_text(tok, rows["input_ids"][0], rows["loss_mask"][0])
-    )
+    rows = _write_rows(ctx, merged, tok)
     tokens = sum(rows["seq_len"])
     supervised = sum(sum(m) for m in rows["loss_mask"])
     if n < cfg.num_samples:
         log.warning("prepare: only %d usable rows of data.num_samples=%d", n, cfg.num_samples)
-    ctx.manifest["dropped_examples"] = [e for t in taken for e in t["read"].examples][:5]
-    # What came from where: per source, what was asked, read and kept; `order` is each row's
-    # source index, in the dataset's order.
-    ctx.manifest["sources"] = [
-        {
-            "name": src.name,
-            "source": src.cfg.source,
-            "split": src.cfg.split,
-            "revision": src.cfg.revision,
-            "asked": src.quota,
-            "rows": len(t["rows"]),
-            "rows_read": t["read"].rows_read,
-            "conversations_read": t["used"],
-            "dropped": {k: v for k, v in t["dropped"].items() if v},
-        }
-        for src, t in zip(mix, taken, strict=True)
-    ]
-    ctx.manifest["row_sources"] = [i for i, _ in merged]
+    _record_sources(ctx, mix, taken, merged)
     if any(dropped.values()):
         said = ", ".join(f"{v:,} {k.replace('_', ' ')}" for k, v in dropped.items() if v)
         log.info("prepare: dropped %s", said)
