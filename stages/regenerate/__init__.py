@@ -412,6 +412,37 @@ def _run_chunk(jobs: list[Job], gen: Any, tok: Any, cfg: RunnerConfig) -> Iterat
         yield finished
 
 
+def _resume(partial: Path, done: dict[int, dict[str, Any]], stats: Counter, jobs: int) -> None:
+    """A rerun: every complete line of the partial file is a finished conversation (into `done`,
+    its counts into `stats`); a line cut by the stop is redone."""
+    if not partial.is_file():
+        return
+    for line in partial.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            break  # a line cut by the stop; its conversation is redone
+        done[rec["index"]] = rec
+        stats.update(rec.get("counts", {}))
+    log.info("[regenerate] resuming: %d of %d conversations already written", len(done), jobs)
+
+
+def _write_sources(ctx: StageContext, done: dict[int, dict[str, Any]]) -> list[str]:
+    """The regenerated conversations, one file per data source in the source's order (what
+    prepare reads), with the servers' logs; returns the sources' names."""
+    out = ctx.out / "regenerated"
+    out.mkdir()
+    if (ctx.scratch / "logs").is_dir():  # the servers' logs, kept with the answers they gave
+        shutil.copytree(ctx.scratch / "logs", ctx.out / "logs")
+    names = [s.name for s in sources(ctx.cfg.data)]
+    for i, _name in enumerate(names):
+        with (out / f"source_{i}.jsonl").open("w") as fh:
+            for rec in sorted(done.values(), key=lambda x: x["index"]):
+                if rec["source"] == i:
+                    fh.write(json.dumps({k: v for k, v in rec.items() if k != "counts"}) + "\n")
+    return names
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -425,17 +456,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     partial = ctx.scratch / "regenerated.partial.jsonl"
     done: dict[int, dict[str, Any]] = {}
     stats: Counter = Counter()
-    if partial.is_file():  # a rerun: every complete line is a finished conversation
-        for line in partial.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                break  # a line cut by the stop; its conversation is redone
-            done[rec["index"]] = rec
-            stats.update(rec.get("counts", {}))
-        log.info(
-            "[regenerate] resuming: %d of %d conversations already written", len(done), len(jobs)
-        )
+    _resume(partial, done, stats, len(jobs))
     todo = [j for j in jobs if j.index not in done]
     failures: list[str] = []
     t0 = time.time()
@@ -483,16 +504,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             f"regenerate.max_bad_fraction={r.max_bad_fraction}; raise regenerate.max_tokens if "
             f"answers are cut, or see {ctx.scratch / 'logs'} (first failures: {failures or '-'})"
         )
-    out = ctx.out / "regenerated"
-    out.mkdir()
-    if (ctx.scratch / "logs").is_dir():  # the servers' logs, kept with the answers they gave
-        shutil.copytree(ctx.scratch / "logs", ctx.out / "logs")
-    names = [s.name for s in sources(cfg.data)]
-    for i, _name in enumerate(names):
-        with (out / f"source_{i}.jsonl").open("w") as fh:
-            for rec in sorted(done.values(), key=lambda x: x["index"]):
-                if rec["source"] == i:
-                    fh.write(json.dumps({k: v for k, v in rec.items() if k != "counts"}) + "\n")
+    names = _write_sources(ctx, done)
     ctx.manifest["sources"] = {f"source_{i}": n for i, n in enumerate(names)}
     ctx.manifest["first_failures"] = failures
     metrics = {
