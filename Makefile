@@ -22,10 +22,11 @@ lint: setup  ## Lint and check formatting (ruff, configured in pyproject.toml)
 fmt: setup  ## Format the code and apply ruff's safe fixes
 	$(PY) -m ruff format . && $(PY) -m ruff check --fix .
 
-# Two workers (pytest-xdist), a test file each at a time: module fixtures are built once.
+# Two workers (pytest-xdist), a test file each at a time: module fixtures are built once. Files
+# are handed out longest first (tests/conftest.py, LONGEST_FIRST), not by their test count.
 # A worker that dies (the OOM killer) is not replaced: xdist's replacement once waited forever and
 # held CI to its limit; the dead worker's test fails and the lane ends.
-XDIST := -n 2 --dist loadfile --max-worker-restart=0
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 # Each worker on a core of its own, with everything it starts (tests/conftest.py,
 # pytest_configure). Unpinned, two vLLM CPU servers bound their threads to the same core and two
 # trainings oversubscribed both: on a 2-core x86_64 machine on 2026-12-06 the slow lanes took

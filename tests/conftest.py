@@ -54,6 +54,41 @@ def pytest_configure(config):
     torch.set_num_threads(len(mine))
 
 
+# The files that take longest, longest first (per-file seconds on a 2-core AVX2-only CPU,
+# 2026-12-07: the vLLM lane ~1,200, end to end ~1,150, faults ~650, train resume ~400, sweeps
+# ~400, the small vLLM runs ~330, the search ~250, refusals ~220, ...). Collected in this order
+# and handed out so (the Makefile's --no-loadscope-reorder: xdist's own order is by test count),
+# each worker takes the next file as it finishes its own, and the two end together: in file
+# order, the 400-s resume file came last and ran for minutes with the other worker idle.
+LONGEST_FIRST = (
+    "test_vllm_backend.py",
+    "test_e2e_default.py",
+    "test_faults.py",
+    "test_train_resume.py",
+    "test_sweep.py",
+    "test_vllm_small_runs.py",
+    "test_search.py",
+    "test_refusals.py",
+    "test_kimi_miniature.py",
+    "test_preflight.py",
+    "test_serving_settings.py",
+    "test_costs.py",
+    "test_pipeline_tiny.py",
+    "test_mixing.py",
+    "test_vllm_server.py",
+    "test_configs.py",
+    "test_packaging.py",
+    "test_publish.py",
+    "test_regenerate.py",
+    "test_ui.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable
+
+
 # The plan refuses hidden states or checkpoints that the output disk cannot hold. Tests see a
 # fixed 20 GiB free, so that a plan's verdict does not depend on the machine running them; a test
 # about disk sizes sets its own figure.

@@ -179,46 +179,12 @@ def chain_requeue(state: TrainingState) -> None:
         old(signal.SIGUSR1, None)
 
 
-@contextmanager
-def runner_training(
-    state: TrainingState, device: str | None = None, dtype: str | None = None
-) -> Iterator[None]:
-    """Run speculators' trainer the way the runner needs, for one `cli.main` call:
-
-    - on a machine without an accelerator: the trainer moves the model and batches to
-      `local_rank` (an int, i.e. cuda:0), autocasts on `current_accelerator()` (falling back to
-      "cuda"), and its step timer calls `torch.accelerator.synchronize()`, which raises on a
-      CPU-only host; `torch.distributed` goes through gloo instead of the accelerator's backend;
-    - stops on SIGINT, SIGTERM or SIGUSR1 at the next step boundary, with a mid-epoch
-      checkpoint that speculators resumes from (its own handler saves an "interrupted" one that
-      it does not resume from), then raises StopRequested; all ranks agree on the boundary;
-    - records where training got to in `state`;
-    - in float32 (`dtype`, speculators' `hidden_states_dtype`; a CPU without native bf16): the
-      draft's weights in float32 (a reloaded checkpoint is bf16, and torch's autocast does not
-      cast to float32 on a CPU), and on a CPU Muon's orthogonalisation in float32 too
-      (`speculators_cpu.cpu_kernels`).
-    """
-    import speculators.train.checkpointer as checkpointer_mod
-    import speculators.train.cli as cli  # speculators imports torch: seconds
-    import speculators.train.trainer as trainer_mod
+def _trainer_class(base_trainer: type, state: TrainingState, on_cpu: bool, compute: Any) -> type:
+    """speculators' Trainer as the runner runs it (`runner_training`): on the CPU when asked, in
+    float32 when asked, stopping at a step boundary every rank agrees on with a checkpoint it
+    resumes from, its progress in `state` and on the console."""
     import torch
     import torch.distributed as dist
-
-    from runner.integrations.speculators_cpu import cpu_kernels  # imports torch
-
-    has_gpu = torch.accelerator.is_available()
-    if device == "cuda" and not has_gpu:  # never train on another device than configured
-        raise ConfigError(
-            "hardware", "hardware.device is cuda but torch sees no GPU here; choose hardware=cpu"
-        )
-    # The configured device decides (a CPU config on a GPU machine trains on the CPU, as keyed);
-    # None (benchmarks) = whatever this machine has.
-    on_cpu = device == "cpu" if device is not None else not has_gpu
-    compute = getattr(torch, dtype) if dtype else torch.bfloat16
-    base_trainer = trainer_mod.Trainer
-    base_timer = trainer_mod._StepTimer
-    base_setup_distributed = cli.maybe_setup_distributed
-    base_device = checkpointer_mod.get_current_device
 
     class RunnerTrainer(base_trainer):  # type: ignore[misc, valid-type]
         def setup_trainer(self) -> None:
@@ -280,8 +246,13 @@ def runner_training(
             with _stop_signals(state):
                 return base_trainer.run_training.__wrapped__(self)
 
+    return RunnerTrainer
+
+
+def _cpu_step_timer(base_timer: type) -> type:
+    """speculators' step timer without the accelerator barrier: CPU work is synchronous."""
+
     class CPUStepTimer(base_timer):  # type: ignore[misc, valid-type]
-        # Same measurements without the accelerator barrier: CPU work is synchronous.
         def mark(self, name: str) -> None:
             if self.enabled:
                 self._marks[name] = time.perf_counter()
@@ -289,18 +260,66 @@ def runner_training(
         def now(self) -> float | None:
             return time.perf_counter() if self.enabled else None
 
-    def setup_distributed_on_cpu(sp_size: int = 1) -> None:
-        """speculators' maybe_setup_distributed with gloo, for ranks without an accelerator."""
-        import speculators.train.distributed as d
+    return CPUStepTimer
 
-        if "LOCAL_RANK" not in os.environ:
-            return
-        dist.init_process_group("gloo")
-        d._local_rank = int(os.environ["LOCAL_RANK"])
-        d._is_distributed = True
-        d._rank, d._world_size = dist.get_rank(), dist.get_world_size()
-        d._init_sp_process_groups(d._rank, d._world_size, sp_size)
 
+def _setup_distributed_on_cpu(sp_size: int = 1) -> None:
+    """speculators' maybe_setup_distributed with gloo, for ranks without an accelerator."""
+    import speculators.train.distributed as d
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" not in os.environ:
+        return
+    dist.init_process_group("gloo")
+    d._local_rank = int(os.environ["LOCAL_RANK"])
+    d._is_distributed = True
+    d._rank, d._world_size = dist.get_rank(), dist.get_world_size()
+    d._init_sp_process_groups(d._rank, d._world_size, sp_size)
+
+
+@contextmanager
+def runner_training(
+    state: TrainingState, device: str | None = None, dtype: str | None = None
+) -> Iterator[None]:
+    """Run speculators' trainer the way the runner needs, for one `cli.main` call:
+
+    - on a machine without an accelerator: the trainer moves the model and batches to
+      `local_rank` (an int, i.e. cuda:0), autocasts on `current_accelerator()` (falling back to
+      "cuda"), and its step timer calls `torch.accelerator.synchronize()`, which raises on a
+      CPU-only host; `torch.distributed` goes through gloo instead of the accelerator's backend;
+    - stops on SIGINT, SIGTERM or SIGUSR1 at the next step boundary, with a mid-epoch
+      checkpoint that speculators resumes from (its own handler saves an "interrupted" one that
+      it does not resume from), then raises StopRequested; all ranks agree on the boundary;
+    - records where training got to in `state`;
+    - in float32 (`dtype`, speculators' `hidden_states_dtype`; a CPU without native bf16): the
+      draft's weights in float32 (a reloaded checkpoint is bf16, and torch's autocast does not
+      cast to float32 on a CPU), and on a CPU Muon's orthogonalisation in float32 too
+      (`speculators_cpu.cpu_kernels`).
+    """
+    import speculators.train.checkpointer as checkpointer_mod
+    import speculators.train.cli as cli  # speculators imports torch: seconds
+    import speculators.train.trainer as trainer_mod
+    import torch
+
+    from runner.integrations.speculators_cpu import cpu_kernels  # imports torch
+
+    has_gpu = torch.accelerator.is_available()
+    if device == "cuda" and not has_gpu:  # never train on another device than configured
+        raise ConfigError(
+            "hardware", "hardware.device is cuda but torch sees no GPU here; choose hardware=cpu"
+        )
+    # The configured device decides (a CPU config on a GPU machine trains on the CPU, as keyed);
+    # None (benchmarks) = whatever this machine has.
+    on_cpu = device == "cpu" if device is not None else not has_gpu
+    compute = getattr(torch, dtype) if dtype else torch.bfloat16
+    base_trainer = trainer_mod.Trainer
+    base_timer = trainer_mod._StepTimer
+    base_setup_distributed = cli.maybe_setup_distributed
+    base_device = checkpointer_mod.get_current_device
+
+    RunnerTrainer = _trainer_class(base_trainer, state, on_cpu, compute)
+    CPUStepTimer = _cpu_step_timer(base_timer)
+    setup_distributed_on_cpu = _setup_distributed_on_cpu
     cli.Trainer = RunnerTrainer
     # Its rich epoch bar draws only at an epoch's end in a log or a pipe; the progress line
     # (_Progress) says the same every PROGRESS_EVERY_S, in the runner's format.
