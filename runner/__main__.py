@@ -19,7 +19,6 @@ SIGINT / SIGTERM (the MLflow run is KILLED; the same command continues).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -36,7 +35,7 @@ from runner.composition import REGISTRY, compose_root
 from runner.core.config_files import check_config_dirs
 from runner.core.errors import ConfigError, StageError
 from runner.core.interrupts import Interrupted, as_interrupted, held_back
-from runner.core.schema import DataSource, did_you_mean, schema_for
+from runner.core.schema import did_you_mean, entry_fields, schema_for
 from runner.engine.job import rerun_command, run_job, stages_started
 from runner.serving.shared_servers import stop_all
 from runner.tracking.sweep import SEARCH_ENV, end_interrupted_sweep
@@ -166,7 +165,7 @@ def entry() -> None:
                         print(f"(did you mean {near}?)", file=sys.stderr)
             if any(a.lstrip("+~").startswith("data.sources") for a in sys.argv[1:]):
                 # Hydra names a misspelled field of an entry without the list it sits in.
-                fields = ", ".join(f.name for f in dataclasses.fields(DataSource))
+                fields = ", ".join(entry_fields(schema, "data.sources"))
                 print(f"(data.sources: each entry takes {fields})", file=sys.stderr)
             sys.exit(2)
         raise

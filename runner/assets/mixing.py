@@ -21,10 +21,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from runner.assets.conversations import ConversationSource
 from runner.core.errors import ConfigError
-from runner.core.schema import DataConfig
+
+
+class DataSection(ConversationSource, Protocol):
+    """The data section (stages/prepare/settings.py) as mixing reads it."""
+
+    sources: list[Any]  # data.sources' entries: source, num_samples, weight, name, split, ...
+    num_samples: int
+    hold_out: int | None
 
 
 @dataclass(frozen=True)
@@ -33,7 +41,7 @@ class Source:
     # The config key errors about this source name ("data.source" or "data.sources[1]").
     key: str
     # data's settings with this source's own: what runner/assets/conversations.py reads.
-    cfg: DataConfig
+    cfg: DataSection
     # Usable rows asked of it.
     quota: int
     # Conversations at the end of its shuffled order that training never reads (the held-out
@@ -66,7 +74,7 @@ def apportion(total: int, weights: list[float]) -> list[int]:
     return parts
 
 
-def sources(d: DataConfig) -> list[Source]:
+def sources(d: DataSection) -> list[Source]:
     """The sources of `data`, each with its settings and share of data.num_samples."""
     if not d.sources:
         assert d.source is not None

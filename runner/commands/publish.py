@@ -33,8 +33,8 @@ from typing import Any
 
 from runner.assets.target_facts import hub_repo_id
 from runner.commands.store_options import add_store_options, parser
+from runner.core.hardware_settings import VllmLaunchConfig
 from runner.core.interrupts import companion
-from runner.core.schema import VllmLaunchConfig
 from runner.core.store import new_folder
 from runner.serving.settings import draft_fields, target_flags
 from runner.tracking.job_tags import COLUMNS_TAG, OBJECTIVE_TAG, RESULTS_FILE

@@ -200,11 +200,12 @@ class Stage:
     # the config section named after the stage, or `section` (runner.core.schema.schema_for),
     # read as `cfg.<section>`; a conf/<section>/ group of options is optional. It may define
     # `resolve(cfg)` (defaults that depend on other sections) and `check_across(cfg)` (its rules
-    # against other sections), called by runner/core/schema.py. extract, vocab, train, evaluate
-    # and regenerate own theirs; `data` (read by prepare, regenerate and the held-out prompts
-    # alike: the run's input, like `model`) is run-wide, in runner/core/schema.py.
+    # against other sections), called by runner/core/schema.py. Every built-in stage owns one:
+    # prepare's is `data` (which regenerate and the held-out prompts read too), evaluate's
+    # `eval`; the run-wide sections (model, hardware, tracking, run) are runner/core's.
     settings: type | None = None
-    # The name of that section where it is not the stage's own (evaluate's is `eval`).
+    # The name of that section where it is not the stage's own (evaluate's `eval`, prepare's
+    # `data`).
     section: str | None = None
     # --- run ----------------------------------------------------------------------------------
     # Keep the scratch folder of a failed run, so the next run resumes from it.

@@ -20,8 +20,8 @@ import json
 import re
 from typing import Any
 
+from runner.core.hardware_settings import HardwareConfig, VllmLaunchConfig
 from runner.core.number_format import cpu_flags
-from runner.core.schema import HardwareConfig, VllmLaunchConfig
 from runner.core.serving_flags import carries_compilation_config
 
 # vLLM 0.32.0's names (AttentionBackendEnum, CacheDType, CUDAGraphMode): checked against when the

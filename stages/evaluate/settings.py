@@ -11,7 +11,8 @@ from omegaconf import MISSING
 
 from runner.assets.prompts import prompt_set_name
 from runner.core.errors import ConfigError
-from runner.core.schema import ALL_STAGES, above, at_least, within
+from runner.core.ranges import above, at_least, within
+from runner.core.schema import ALL_STAGES
 
 if TYPE_CHECKING:
     from runner.core.schema import RunnerConfig

@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from runner.assets.target_facts import ModelFacts, Target
+from runner.core.hardware_settings import DTYPE_BYTES
 from runner.core.layer_ids import hook_point
-from runner.core.schema import DTYPE_BYTES, RunnerConfig
+from runner.core.schema import RunnerConfig
 from runner.core.store import fmt_bytes, free_bytes
 from runner.engine import costs
 from runner.engine.checks import check_preset

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from runner.core.errors import ConfigError
 from runner.core.layer_ids import CAPTURE_PRESETS
-from runner.core.schema import at_least
+from runner.core.ranges import at_least
 
 if TYPE_CHECKING:
     from runner.core.schema import RunnerConfig

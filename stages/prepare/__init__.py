@@ -61,6 +61,7 @@ from runner.engine.console import bar_interval
 from runner.engine.cpu_speed import cpu_rate
 from runner.engine.stage import Plan, PlanView, Stage, StageContext
 from runner.processes.process import die_with_parent
+from stages.prepare.settings import DataConfig
 
 log = logging.getLogger("runner")
 
@@ -764,6 +765,10 @@ def cpu_seconds(cfg: RunnerConfig, work: Any) -> float:
 
 STAGE = Stage(
     name="prepare",
+    # Its settings are the run's `data` section (stages/prepare/settings.py), which regenerate
+    # and evaluate read too.
+    settings=DataConfig,
+    section="data",
     rates=Path(__file__).with_name("rates.yaml"),
     key_config=key_config,
     run=run,

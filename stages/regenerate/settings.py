@@ -8,7 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 from runner.core.errors import ConfigError
-from runner.core.schema import at_least, seed_range
+from runner.core.ranges import at_least, seed_range
 
 
 class RegenerateBackend(StrEnum):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import MISSING
 
 from runner.core.errors import ConfigError
-from runner.core.schema import at_least, seed_range, within
+from runner.core.ranges import at_least, seed_range, within
 
 if TYPE_CHECKING:
     from runner.core.schema import RunnerConfig
