@@ -40,6 +40,7 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # Seconds before retry n (1-based): 2, 4, 8, ... as speculators' client waits.
 _BACKOFF_BASE = 2
@@ -126,115 +127,126 @@ class Fetched:
     shares: list[Share] = field(default_factory=list)
 
 
-async def _fetch(
-    servers: Sequence[Server],
-    rows: Mapping[int, Sequence[int]],
-    out_dir: Path,
-    concurrency: int,
-    timeout_s: float,
-    retries: int,
-    done: Callable[[int], None],
-    dropped: Callable[[Server], None],
-) -> Fetched:
-    import aiohttp
+class _Fetch:
+    """One fetch over `servers`: a queue of (row, failed attempts so far), `concurrency` workers
+    a server taking rows from it, each file moved into `out_dir` by a thread of its own."""
 
-    got = Fetched(shares=[Share(s.url.rstrip("/")) for s in servers])
-    given_up = [0]  # rows given up on in a row, over every server
-    queue: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()
-    for row in sorted(rows):
-        queue.put_nowait((row, 0))  # (row, failed attempts so far)
-    pending = [len(rows)]
-    workers = len(servers) * concurrency
-    # Lock waits block: a thread per request in flight, never starved by the default pool's size.
-    files = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hs-move")
-    loop = asyncio.get_running_loop()
+    def __init__(
+        self,
+        servers: Sequence[Server],
+        rows: Mapping[int, Sequence[int]],
+        out_dir: Path,
+        limits: tuple[int, float, int],
+        done: Callable[[int], None],
+        dropped: Callable[[Server], None],
+    ) -> None:
+        self.servers, self.rows, self.out_dir = servers, rows, out_dir
+        self.concurrency, self.timeout_s, self.retries = limits
+        self.done, self.dropped = done, dropped
+        self.got = Fetched(shares=[Share(s.url.rstrip("/")) for s in servers])
+        self.given_up = 0  # rows given up on in a row, over every server
+        self.queue: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()
+        for row in sorted(rows):
+            self.queue.put_nowait((row, 0))
+        self.pending = len(rows)
+        self.workers = len(servers) * self.concurrency
+        # Lock waits block: a thread per request in flight, never starved by the default pool.
+        self.files = concurrent.futures.ThreadPoolExecutor(
+            self.workers, thread_name_prefix="hs-move"
+        )
 
-    def finished() -> None:
-        pending[0] -= 1
-        if pending[0] == 0:
-            for _ in range(workers):  # wakes every worker waiting for a row: nothing is left
-                queue.put_nowait(None)
+    def finished(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            for _ in range(self.workers):  # wakes every worker waiting for a row: none is left
+                self.queue.put_nowait(None)
 
-    def give_up(row: int, why: str) -> None:
-        got.failed[row] = why
-        finished()
-        given_up[0] += 1
-        if given_up[0] >= 2 * concurrency:
-            raise ServerGone(got.failed)
+    def give_up(self, row: int, why: str) -> None:
+        self.got.failed[row] = why
+        self.finished()
+        self.given_up += 1
+        if self.given_up >= 2 * self.concurrency:
+            raise ServerGone(self.got.failed)
 
-    async def one(http: aiohttp.ClientSession, k: int, row: int, attempt: int) -> None:
-        server, share = servers[k], got.shares[k]
-        ids = [int(t) for t in rows[row]]
+    async def one(self, http: Any, k: int, row: int, attempt: int) -> None:
+        import aiohttp
+
+        server, share = self.servers[k], self.got.shares[k]
+        ids = [int(t) for t in self.rows[row]]
         body = json.dumps(
             {"model": server.model, "prompt": ids, "max_tokens": 1, "return_token_ids": True}
         ).encode()
         try:
-            path = await _request(http, share.url, body, ids, timeout_s)
-            await loop.run_in_executor(
-                files, _wait_and_move, path, out_dir / f"hs_{row}.safetensors"
+            path = await _request(http, share.url, body, ids, self.timeout_s)
+            await asyncio.get_running_loop().run_in_executor(
+                self.files, _wait_and_move, path, self.out_dir / f"hs_{row}.safetensors"
             )
         except _Invalid as exc:
-            give_up(row, str(exc))
+            self.give_up(row, str(exc))
             return
         except (aiohttp.ClientError, TimeoutError, RuntimeError, OSError) as exc:
             why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            await retry_or_give_up(k, row, attempt, why)
+            await self.retry_or_give_up(k, row, attempt, why)
             return
-        given_up[0] = 0
+        self.given_up = 0
         share.rows += 1
         share.tokens += len(ids)
-        done(row)
-        finished()
+        self.done(row)
+        self.finished()
 
-    async def retry_or_give_up(k: int, row: int, attempt: int, why: str) -> None:
+    async def retry_or_give_up(self, k: int, row: int, attempt: int, why: str) -> None:
         """A request that did not come back: the server may be gone (then the row goes to the
         others, not counted against it), or the row is tried again, or given up on."""
-        server, share = servers[k], got.shares[k]
+        server, share = self.servers[k], self.got.shares[k]
+        loop = asyncio.get_running_loop()
         if not share.dropped and not await loop.run_in_executor(None, server.alive):
             share.dropped = True
-            dropped(server)
+            self.dropped(server)
         if share.dropped:
-            queue.put_nowait((row, attempt))  # not the row's fault: not counted
-        elif attempt >= retries:
-            give_up(row, why)
+            self.queue.put_nowait((row, attempt))  # not the row's fault: not counted
+        elif attempt >= self.retries:
+            self.give_up(row, why)
         else:
-            queue.put_nowait((row, attempt + 1))
+            self.queue.put_nowait((row, attempt + 1))
             await asyncio.sleep(_BACKOFF_BASE ** (attempt + 1))  # this server waits
-        if all(s.dropped for s in got.shares):
-            while not queue.empty():
-                item = queue.get_nowait()
+        if all(s.dropped for s in self.got.shares):
+            while not self.queue.empty():
+                item = self.queue.get_nowait()
                 if item is not None:
-                    got.failed[item[0]] = f"no server left ({why})"
-            raise ServerGone(got.failed)
+                    self.got.failed[item[0]] = f"no server left ({why})"
+            raise ServerGone(self.got.failed)
 
-    async def worker(http: aiohttp.ClientSession, k: int) -> None:
+    async def worker(self, http: Any, k: int) -> None:
         while True:
-            item = await queue.get()
+            item = await self.queue.get()
             if item is None:
                 return
-            if got.shares[k].dropped:
-                queue.put_nowait(item)  # for a server that still answers
+            if self.got.shares[k].dropped:
+                self.queue.put_nowait(item)  # for a server that still answers
                 return
-            await one(http, k, *item)
+            await self.one(http, k, *item)
 
-    connector = aiohttp.TCPConnector(limit=workers)
-    try:
-        async with aiohttp.ClientSession(connector=connector) as http:
-            tasks = [
-                asyncio.create_task(worker(http, k))
-                for k in range(len(servers))
-                for _ in range(concurrency)
-            ]
-            try:
-                await asyncio.gather(*tasks)
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-    finally:
-        # A lock is held only while the server writes a file: nothing here waits long.
-        files.shutdown(wait=False, cancel_futures=True)
-    return got
+    async def run(self) -> Fetched:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=self.workers)
+        try:
+            async with aiohttp.ClientSession(connector=connector) as http:
+                tasks = [
+                    asyncio.create_task(self.worker(http, k))
+                    for k in range(len(self.servers))
+                    for _ in range(self.concurrency)
+                ]
+                try:
+                    await asyncio.gather(*tasks)
+                finally:
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            # A lock is held only while the server writes a file: nothing here waits long.
+            self.files.shutdown(wait=False, cancel_futures=True)
+        return self.got
 
 
 def fetch_rows(
@@ -256,6 +268,5 @@ def fetch_rows(
     out_dir.mkdir(parents=True, exist_ok=True)
     if not rows:
         return Fetched(shares=[Share(s.url.rstrip("/")) for s in servers])
-    return asyncio.run(
-        _fetch(servers, rows, out_dir, concurrency, timeout_s, retries, done, dropped)
-    )
+    limits = (concurrency, timeout_s, retries)
+    return asyncio.run(_Fetch(servers, rows, out_dir, limits, done, dropped).run())

@@ -113,23 +113,14 @@ def _failed_samples(why: dict[int, str], cfg: RunnerConfig, done_dir: Path) -> s
     )
 
 
-def extract(
-    ctx: StageContext, rows: Sequence[Any], out_dir: Path, stats: LayerStats
-) -> dict[str, Any]:
-    import torch
+def _resumed(done_dir: Path) -> tuple[set[str], list[int]]:
+    """The sample files an earlier attempt left in done_dir that read back (kept: their rows are
+    not requested again), and the indices of those that do not (removed: requested again)."""
     from speculators.data_generation.offline import (
         find_corrupt_hidden_state_indices,
         get_existing_hidden_state_indices,
     )
 
-    cfg, facts = ctx.cfg, ctx.facts
-    scratch: Path = ctx.scratch
-    done_dir = scratch / "hidden_states"  # survives failures: the next run resumes from it
-    # Where the connector writes; the same filesystem, so moves are renames.
-    staging = scratch / "vllm_staging"
-    shutil.rmtree(staging, ignore_errors=True)
-    for d in (done_dir, staging):
-        d.mkdir(parents=True, exist_ok=True)
     present = get_existing_hidden_state_indices(done_dir)
     unreadable = find_corrupt_hidden_state_indices(done_dir, present)
     for i in unreadable:  # an interrupted move or a damaged file: requested again
@@ -142,6 +133,39 @@ def extract(
             len(before),
             len(unreadable),
         )
+    return before, list(unreadable)
+
+
+def _record_shares(out: Path, shares: list[dict[str, Any]], servers: int) -> None:
+    """Each server's share, in servers.json and on the console, where there were several."""
+    if servers <= 1 and len(shares) <= 1:
+        return
+    (out / "servers.json").write_text(json.dumps(shares, indent=1))
+    for k, sh in enumerate(shares):
+        log.info(
+            "[extract] server %d (%s): %d rows, %.0f tok/s%s",
+            k,
+            sh["url"],
+            sh["rows"],
+            sh["tokens_per_s"],
+            ", stopped answering and was left out" if sh["dropped"] else "",
+        )
+
+
+def extract(
+    ctx: StageContext, rows: Sequence[Any], out_dir: Path, stats: LayerStats
+) -> dict[str, Any]:
+    import torch
+
+    cfg, facts = ctx.cfg, ctx.facts
+    scratch: Path = ctx.scratch
+    done_dir = scratch / "hidden_states"  # survives failures: the next run resumes from it
+    # Where the connector writes; the same filesystem, so moves are renames.
+    staging = scratch / "vllm_staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    for d in (done_dir, staging):
+        d.mkdir(parents=True, exist_ok=True)
+    before, unreadable = _resumed(done_dir)
     # The logs live in scratch while the servers run (kept there if the stage fails), then in
     # the artifact. hardware.vllm.endpoint(s): servers that already run, checked by the plan;
     # each writes where it was told to (its own --kv-transfer-config), the client moves the
@@ -185,17 +209,7 @@ def extract(
     if logs.is_dir():  # none with existing servers: their logs are on their machines
         shutil.copytree(logs, ctx.out / "logs")
     shares = _shares(fetched, seconds, servers)
-    if len(servers) > 1 or len(shares) > 1:
-        (ctx.out / "servers.json").write_text(json.dumps(shares, indent=1))
-        for k, sh in enumerate(shares):
-            log.info(
-                "[extract] server %d (%s): %d rows, %.0f tok/s%s",
-                k,
-                sh["url"],
-                sh["rows"],
-                sh["tokens_per_s"],
-                ", stopped answering and was left out" if sh["dropped"] else "",
-            )
+    _record_shares(ctx.out, shares, len(servers))
     # Throughput over the rows the main pass computed (not sample 0's probe, not resumed files).
     fresh = sum(len(r) for i, r in enumerate(rows) if i > 0 and f"hs_{i}.safetensors" not in before)
     return {
