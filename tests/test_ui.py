@@ -34,6 +34,10 @@ def test_the_page_chooses_model_training_unless_the_browser_chose(client):
     assert page.count(ui.SCRIPT) == 1 and page.index(ui.SCRIPT) < page.index("</head>")
     # Only where nothing is stored: a user's own choice stays.
     assert 'localStorage.getItem("mlflow.workflowType_v1")===null' in ui.SCRIPT
+    # MLflow's Assistant panel closed unless the browser opened it (it took 400 px of the run
+    # page); its button still opens it.
+    assert 'localStorage.getItem("mlflow.assistant.panelOpen_v1")===null' in ui.SCRIPT
+    assert 'setItem("mlflow.assistant.panelOpen_v1","false")' in ui.SCRIPT
 
 
 def test_everything_else_is_mlflows_own(client):
@@ -48,26 +52,44 @@ def test_a_root_without_runs_is_refused_with_the_option_to_change(tmp_path, caps
     assert "--output-root" in capsys.readouterr().err
 
 
-def test_the_address_is_printed_when_the_server_answers_and_sigterm_ends_it_all(tmp_path):
-    """The UI's address comes once MLflow's server answers (it took a minute or more to start,
-    after the address was printed); SIGTERM to the command ends the server and its workers and
-    frees the port."""
+def test_a_moved_root_is_served_from_where_it_is_and_sigterm_ends_it_all(tmp_path):
+    """On a root moved elsewhere, the original gone, MLflow lists a run's artifacts and serves
+    their bytes from the moved root (its store is pointed there before the server starts). The
+    UI's address comes once MLflow's server answers (it took a minute or more to start, after
+    the address was printed); SIGTERM to the command ends the server and its workers and frees
+    the port."""
+    import json
     import os
+    import shutil
     import signal
     import subprocess
     import sys
     import time
+    import urllib.parse
     import urllib.request
 
     import mlflow
 
+    from runner.core.schema import TrackingConfig
     from runner.serving.vllm_server import free_port
+    from runner.tracking.runs import Tracker
     from tests.conftest import REPO
 
-    mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").create_experiment("eagle3")
+    original, moved = tmp_path / "original", tmp_path / "moved"
+    sample = tmp_path / "sample.txt"
+    sample.write_text("the first row, as prepare renders it\n")
+    tracker = Tracker(TrackingConfig(), original)
+    try:
+        run_id = tracker.start("a run", {})
+        tracker.log_artifact(sample, artifact_path="prepare")
+    finally:
+        tracker.end()
+        mlflow.end_run()
+    shutil.copytree(original, moved, symlinks=True)
+    shutil.rmtree(original)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", "ui", "--output-root", str(tmp_path), "--port", str(port)],
+        [sys.executable, "-m", "runner", "ui", "--output-root", str(moved), "--port", str(port)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -80,8 +102,16 @@ def test_the_address_is_printed_when_the_server_answers_and_sigterm_ends_it_all(
                 break
         else:
             raise AssertionError("the address was never printed")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+        url = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
             assert r.status == 200  # answering by the time the address is read
+        q = urllib.parse.urlencode({"run_id": run_id, "path": "prepare"})
+        with urllib.request.urlopen(f"{url}/ajax-api/2.0/mlflow/artifacts/list?{q}") as r:
+            listed = {f["path"] for f in json.loads(r.read()).get("files", [])}
+        assert listed == {"prepare/sample.txt"}
+        q = urllib.parse.urlencode({"run_uuid": run_id, "path": "prepare/sample.txt"})
+        with urllib.request.urlopen(f"{url}/get-artifact?{q}") as r:
+            assert r.read() == sample.read_bytes()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
         t0 = time.time()

@@ -265,7 +265,10 @@ def _planned_job(
         return _Ready(cfg, target, plan, pipeline, planned, done=done)
     pipeline.refuse_damaged(planned)
     resolve_model(cfg.model, output_root)  # converts a packaged GGUF once
-    return _Ready(cfg, target, plan, pipeline, planned, Tracker(cfg.tracking, output_root))
+    # The metric the run is judged by: the experiment's primary one (MLflow's compare view).
+    primary = next((f"{p.name}/{p.stage.objective}" for p in planned if p.stage.objective), None)
+    tracker = Tracker(cfg.tracking, output_root, primary)
+    return _Ready(cfg, target, plan, pipeline, planned, tracker)
 
 
 def _tracked_job(ready: _Ready, t_start: float) -> JobResult:

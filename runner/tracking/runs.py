@@ -35,7 +35,14 @@ log = logging.getLogger(__name__)
 # MLflow 3's UI opens an experiment in its GenAI view unless the experiment says it holds model
 # training (the experiment kind its UI reads), and the address can ask for the training view.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+# The experiment's primary metric (MLflow's own tags, mlflow.utils.mlflow_tags): the runs
+# compared open on its chart, higher being better. Set to the run's objective (the acceptance
+# length) unless the experiment names one already.
+PRIMARY_METRIC_TAG = "mlflow.experiment.primaryMetric.name"
+PRIMARY_GREATER_TAG = "mlflow.experiment.primaryMetric.greaterIsBetter"
 UI_VIEW = "workflowType=machine_learning"
+# The widest a logged figure is, in pixels (Tracker.log_figure).
+FIGURE_MAX_PX = 720
 
 # The user's own MLFLOW_TRACKING_URI, read before mlflow.set_tracking_uri (which exports the URI
 # it is given to the environment) could make one job's store look like the user's choice to the
@@ -289,7 +296,11 @@ def follow_moved_root(uri: str, output_root: Path) -> Path | None:
 
 
 class Tracker:
-    def __init__(self, tracking_cfg: TrackingConfig, output_root: Path):
+    def __init__(
+        self, tracking_cfg: TrackingConfig, output_root: Path, primary_metric: str | None = None
+    ):
+        """`primary_metric`: the metric the run is judged by (its objective's MLflow name), the
+        experiment's primary metric unless it has one."""
         import mlflow  # seconds to import; only runs that track need it
 
         self.mlflow = mlflow
@@ -308,7 +319,9 @@ class Tracker:
             # (and could leave it half-migrated): one at a time.
             with _sqlite_lock(self.uri):
                 self._follow_moved_root(output_root)
-                self.experiment_id = self._experiment(tracking_cfg.experiment, output_root)
+                self.experiment_id = self._experiment(
+                    tracking_cfg.experiment, output_root, primary_metric
+                )
         except Exception as exc:  # locked, unreachable, corrupt: say which store
             raise ConfigError(
                 "tracking.uri", f"the MLflow store {self.uri} failed: {type(exc).__name__}: {exc}"
@@ -318,22 +331,24 @@ class Tracker:
     def _follow_moved_root(self, output_root: Path) -> None:
         follow_moved_root(self.uri, output_root)
 
-    def _experiment(self, name: str, output_root: Path) -> str:
+    def _experiment(self, name: str, output_root: Path, primary: str | None) -> str:
         exp = self.mlflow.get_experiment_by_name(name)
+        want = dict(EXPERIMENT_TAGS)
+        if primary and (exp is None or PRIMARY_METRIC_TAG not in exp.tags):
+            want |= {PRIMARY_METRIC_TAG: primary, PRIMARY_GREATER_TAG: "true"}
         if exp is None:
             artifact_location = None
             if self.uri.startswith("sqlite:"):
                 artifact_location = RunLayout(output_root).mlflow_artifacts.resolve().as_uri()
-            exp_id = self.mlflow.create_experiment(
-                name, artifact_location=artifact_location, tags=EXPERIMENT_TAGS
+            return self.mlflow.create_experiment(
+                name, artifact_location=artifact_location, tags=want
             )
-        else:
-            exp_id = exp.experiment_id
-            if any(exp.tags.get(k) != v for k, v in EXPERIMENT_TAGS.items()):
-                client = self.mlflow.MlflowClient(self.uri)  # an experiment from before the tag
-                for k, v in EXPERIMENT_TAGS.items():
-                    client.set_experiment_tag(exp_id, k, v)
-        return exp_id
+        # An experiment from before these tags gets them.
+        missing = {k: v for k, v in want.items() if exp.tags.get(k) != v}
+        client = self.mlflow.MlflowClient(self.uri)
+        for k, v in missing.items():
+            client.set_experiment_tag(exp.experiment_id, k, v)
+        return exp.experiment_id
 
     def _reconcile(self) -> None:
         """Runs of this experiment left RUNNING by a runner on this host that no longer lives
@@ -465,11 +480,15 @@ class Tracker:
             self.mlflow.log_table(data=data, artifact_file=artifact_file)
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
+        """A figure, at most FIGURE_MAX_PX wide: the run's description shows it, and an image
+        is as wide as its pixels there (a 1,000-pixel figure held the page's main column at
+        1,000 px and pushed the side panel past a 1600 px screen)."""
         import matplotlib.pyplot as plt
 
+        dpi = min(figure.get_dpi(), FIGURE_MAX_PX / figure.get_figwidth())
         try:
             with self._writing(artifact_file):
-                self.mlflow.log_figure(figure, artifact_file)
+                self.mlflow.log_figure(figure, artifact_file, save_kwargs={"dpi": dpi})
             self.figures.append(artifact_file)
         finally:
             plt.close(figure)

@@ -7,14 +7,16 @@ chosen "Model training" once: the UI keeps that choice in the browser's localSto
 (`mlflow.workflowType_v1`), and the server has no setting for it. This command runs MLflow's own
 server (`mlflow server`) with MLflow's extension point for server apps (`--app-name`, the
 `mlflow.app` entry point of pyproject.toml): `create_app` is MLflow's app with one hook that
-adds to its page a line of script choosing "Model training" for a browser that has not chosen
-a view yet. A user's own choice stays theirs; nothing else of MLflow changes.
+adds to its page a line of script choosing "Model training" (and MLflow's Assistant panel
+closed) for a browser that has not chosen yet. A user's own choice stays theirs; nothing else of
+MLflow changes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -32,9 +34,22 @@ APP_NAME = "eagle3-runner"
 # (mlflow/server/js: useLocalStorage({key: "mlflow.workflowType", version: 1}), JSON values).
 VIEW_KEY = "mlflow.workflowType_v1"
 VIEW_VALUE = "machine_learning"
+# What a browser that has chosen nothing gets: the model-training view, and MLflow's Assistant
+# panel closed. MLflow 3.17 opens that panel on a browser's first visit, 400 px of a chat with an
+# LLM provider the runner's machines rarely have, which pushed the run page's side panel
+# (status, datasets, registered models) past a 1600 px screen; its button still opens it.
+DEFAULTS = {
+    VIEW_KEY: VIEW_VALUE,
+    "mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": True,
+    "mlflow.assistant.panelOpen_v1": False,
+}
 SCRIPT = (
-    f'<script>try{{if(localStorage.getItem("{VIEW_KEY}")===null)'
-    f'localStorage.setItem("{VIEW_KEY}",JSON.stringify("{VIEW_VALUE}"))}}catch(e){{}}</script>'
+    "<script>try{"
+    + "".join(
+        f'if(localStorage.getItem("{k}")===null)localStorage.setItem("{k}",{json.dumps(json.dumps(v))});'
+        for k, v in DEFAULTS.items()
+    )
+    + "}catch(e){}</script>"
 )
 
 
